@@ -1,0 +1,1 @@
+"""Ops interface: each backend implements the same functions; see reference.py."""

@@ -1,0 +1,1 @@
+"""Triton kernels (gfx90a wave64, Hopper, and the CPU interpreter)."""
