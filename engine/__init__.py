@@ -1,1 +1,44 @@
-"""cdna2_engine: the bundled DeepSeek-V4 engine (official FP8/MXFP4 checkpoint layout)."""
+"""cdna2_engine: the bundled DeepSeek-V4 engine (official FP8/MXFP4 checkpoint layout).
+
+    model = cdna2_engine.load_model("goldens/tiny-v4/model", device="cpu", dtype=torch.float64)
+    logits = model.forward(input_ids)              # [B, T, vocab]
+    gen = model.generate(input_ids, 32)            # greedy: gen.tokens, gen.logits
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, checkpoint_sha256, convert_hf_checkpoint, read_checkpoint
+from .config import Config, ConfigError
+from .model import Generation, Model, Selection, Trace
+from .ops import get_ops
+
+__all__ = ["load_model", "convert_hf_checkpoint", "Model", "Config", "Generation", "Trace", "Selection",
+           "CheckpointError", "ConfigError"]
+__version__ = "0.1.0"
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend: str = "reference",
+               dtype: torch.dtype | str | None = None, reference_ops: list[str] | None = None) -> Model:
+    """Load a checkpoint folder (official or transformers layout) onto `device`.
+
+    dtype: activation dtype; default float32 on the CPU and bfloat16 on a GPU. backend: "reference"
+    (plain torch) or "triton"; `reference_ops` names triton ops to run from the reference instead.
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    device = torch.device(device)
+    if device.type != "cpu" and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but torch sees no GPU: use device='cpu'")
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    cfg, weights = read_checkpoint(path)
+    ops = get_ops(backend, reference_ops)
+    return Model(cfg, weights, device=device, dtype=dtype, ops=ops, sha256=checkpoint_sha256(path))

@@ -1,1 +1,69 @@
-"""Ops interface: each backend implements the same functions; see reference.py."""
+"""Ops interface: the V4 forward calls only these functions, so a backend is a module with the same names.
+
+`reference` is plain torch (the engine's inner oracle); `triton` holds the kernels. `get_ops` builds the
+table for a backend; `CDNA2_REFERENCE_OPS` (comma list, or the `reference_ops` argument) switches single
+ops of the triton backend back to their reference so a failure can be narrowed to one kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+OP_NAMES = (
+    "linear",
+    "grouped_linear",
+    "rms_norm",
+    "rope",
+    "attention",
+    "index_scores",
+    "topk",
+    "moe_experts",
+)
+
+
+@dataclass
+class QWeight:
+    """A linear weight as stored: `fp8` (e4m3 + UE8M0 128x128 scales), `mxfp4` (packed E2M1 + UE8M0 per 32
+    along K) or `dense` (bf16/fp32, scale None). Packed weights stay packed; ops decode them on the fly."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical [..., N, K] of the unpacked weight."""
+        *lead, n, k = self.data.shape
+        return (*lead, n, k * 2 if self.kind == "mxfp4" else k)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (
+            0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        )
+
+    def to(self, device: torch.device | str) -> QWeight:
+        return QWeight(self.data.to(device), None if self.scale is None else self.scale.to(device), self.kind)
+
+
+def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) -> SimpleNamespace:
+    """The op table for `backend`, with `reference_ops` (or env CDNA2_REFERENCE_OPS) taken from reference."""
+    from . import reference
+
+    if backend == "reference":
+        return SimpleNamespace(**{n: getattr(reference, n) for n in OP_NAMES}, backend="reference")
+    if backend != "triton":
+        raise ValueError(f"unknown backend {backend!r}: use 'reference' or 'triton'")
+    from . import triton as tri
+
+    if reference_ops is None:
+        env = os.environ.get("CDNA2_REFERENCE_OPS", "")
+        reference_ops = [s.strip() for s in env.split(",") if s.strip()]
+    unknown = sorted(set(reference_ops) - set(OP_NAMES))
+    if unknown:
+        raise ValueError(f"unknown op(s) {unknown} in CDNA2_REFERENCE_OPS: choose from {list(OP_NAMES)}")
+    table = {n: getattr(reference if n in reference_ops else tri, n, getattr(reference, n)) for n in OP_NAMES}
+    return SimpleNamespace(**table, backend="triton")

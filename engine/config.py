@@ -1,0 +1,174 @@
+"""DeepSeek-V4 configuration: one dataclass whose fields are the official config.json names.
+
+`Config.from_dict` reads the official names (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
+`rope_scaling`) and also transformers' own (`layer_types`, `mlp_layer_types`, `partial_rotary_factor`,
+`rope_parameters`), so a `save_pretrained` config.json loads too. `to_dict` writes the official names,
+which transformers' DeepseekV4Config folds into its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+_RATIO_OF_TYPE = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+    "expert_dtype": "fp4",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that is missing a field or disagrees with itself."""
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    compress_ratios: list[int]
+    num_hash_layers: int = 0
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1048576
+    quantization_config: dict | None = field(default_factory=lambda: dict(QUANTIZATION_CONFIG))
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if len(self.compress_ratios) < n:
+            raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
+        self.compress_ratios = list(self.compress_ratios[:n])
+        bad = [r for r in self.compress_ratios if r not in (0, 4, 128)]
+        if bad:
+            raise ConfigError(f"config: compress_ratios entries must be 0, 4 or 128, got {bad}")
+        if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+            raise ConfigError(f"config: scoring_func {self.scoring_func!r} is not sqrtsoftplus, sigmoid or softmax")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise ConfigError("config: num_attention_heads * head_dim must divide into o_groups")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ConfigError("config: qk_rope_head_dim must be even and <= head_dim and index_head_dim")
+        if not 0 <= self.num_hash_layers <= n:
+            raise ConfigError(f"config: num_hash_layers {self.num_hash_layers} outside 0..{n}")
+
+    @property
+    def layer_types(self) -> list[str]:
+        inv = {v: k for k, v in _RATIO_OF_TYPE.items()}
+        return [inv[r] for r in self.compress_ratios]
+
+    def is_hash_layer(self, i: int) -> bool:
+        return i < self.num_hash_layers
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> Config:
+        d = dict(d)
+        if "compress_ratios" not in d and "layer_types" in d:
+            d["compress_ratios"] = [_RATIO_OF_TYPE[t] for t in d["layer_types"]]
+        if "num_hash_layers" not in d and "mlp_layer_types" in d:
+            d["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
+        if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
+            d["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
+        rp = d.get("rope_parameters")
+        if d.get("rope_scaling") is None and isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+            comp = rp["compress"]
+            if comp.get("rope_type") == "yarn":
+                d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            d.setdefault("compress_rope_theta", comp.get("rope_theta"))
+            d.setdefault("rope_theta", rp.get("main", {}).get("rope_theta"))
+        names = {f.name for f in fields(cls)}
+        required = [f.name for f in fields(cls) if _required(f)]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {missing}: add them (official DeepSeek-V4 names)")
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names})
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {str(e).removeprefix('config: ')}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Config:
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            raw = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{file}: not found: a checkpoint folder needs its config.json") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(raw, source=str(file))
+
+    def to_dict(self) -> dict:
+        """Official DeepSeek-V4 names, plus what transformers needs to pick its class."""
+        d = asdict(self)
+        d.update(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], num_key_value_heads=1,
+                 tie_word_embeddings=False, norm_topk_prob=True, hidden_act="silu")
+        if d["quantization_config"] is None:
+            del d["quantization_config"]
+        if d["rope_scaling"] is None:
+            del d["rope_scaling"]
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _required(f) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def rope_inv_freq(cfg: Config, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies (float64) of the interleaved RoPE pairs, [qk_rope_head_dim / 2].
+
+    Sliding layers use plain RoPE at rope_theta; compressed layers (CSA/HCA, their compressors and the
+    indexer) use compress_rope_theta with YaRN when rope_scaling says so. As in DeepSeek's reference, the
+    YaRN attention factor (mscale) is not applied to cos/sin.
+    """
+    dim = cfg.qk_rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv = 1.0 / pos_freqs
+    rs = cfg.rope_scaling
+    if not compressed or not rs or rs.get("rope_type", rs.get("type")) != "yarn":
+        return inv
+    factor = float(rs["factor"])
+    orig = float(rs["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr_dim(beta_fast)), 0), min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency (high-frequency pairs)
+    return inv / factor * (1 - extrapolate) + inv * extrapolate

@@ -1,0 +1,149 @@
+"""Every op in plain torch: the engine's inner oracle and the spec the Triton kernels are tested against.
+
+Numerics policy (DESIGN.md section 4): weights are decoded on the fly from their packed form into the
+compute dtype; every matmul, softmax statistic and norm statistic runs in fp32 at least (fp64 when the
+activations are fp64), and the result is cast back to the activation dtype. Top-k breaks ties by the
+lower index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import formats
+from . import QWeight
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 stays fp64, everything else accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dequantize(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense [..., N, K] tensor in `dtype` (transient: never stored)."""
+    if w.kind == "fp8":
+        return formats.fp8_block_dequantize(w.data, w.scale, dtype=dtype)
+    if w.kind == "mxfp4":
+        return formats.mxfp4_dequantize(w.data, w.scale, dtype=dtype)
+    return w.data.to(dtype)
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W^T; x [..., K], W [N, K] -> [..., N]."""
+    acc = _acc(x.dtype)
+    return (x.to(acc) @ dequantize(w, acc).T).to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x [..., G, Kg], W [G*R, Kg] (group g owns rows g*R..) -> [..., G, R]."""
+    acc = _acc(x.dtype)
+    wd = dequantize(w, acc)
+    wd = wd.view(groups, -1, wd.shape[-1])  # [G, R, Kg]
+    return torch.einsum("...gk,grk->...gr", x.to(acc), wd).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm with statistics in fp32 (fp64 for fp64 input); weight None is the unweighted norm."""
+    acc = _acc(x.dtype)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    return y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved-pair RoPE on the last 2*cos.shape[-1] dims of x [B, S, H, D]; cos/sin [B, S, rd/2].
+
+    `inverse` rotates by -angle (V4 un-rotates the attention output, since V is K and carries RoPE).
+    """
+    acc = _acc(x.dtype)
+    rd = 2 * cos.shape[-1]
+    nope, r = x[..., :-rd], x[..., -rd:].to(acc)
+    c, s = cos.to(acc).unsqueeze(-2), sin.to(acc).unsqueeze(-2)
+    if inverse:
+        s = -s
+    x0, x1 = r[..., 0::2], r[..., 1::2]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return torch.cat([nope, out.to(x.dtype)], dim=-1)
+
+
+def attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV attention with a per-head sink in the softmax denominator.
+
+    q [B, S, H, D], kv [B, L, D] (K = V), sink [H], mask [B, S, L] bool (True = may attend) -> [B, S, H, D].
+    A row with no visible key gives zeros (the sink takes all the mass).
+    """
+    acc = _acc(q.dtype)
+    logits = torch.einsum("bshd,bld->bhsl", q.to(acc), kv.to(acc)) * scale
+    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink_logit = sink.to(acc).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+    full = torch.cat([logits, sink_logit], dim=-1)
+    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("bhsl,bld->bshd", probs, kv.to(acc)).to(q.dtype)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores: sum_h w[b,s,h] * relu(q[b,s,h] . k[b,t]) * scale -> [B, S, T] (fp32+)."""
+    acc = _acc(q.dtype)
+    dots = torch.einsum("bshd,btd->bsht", q.to(acc), k.to(acc))
+    return (torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)).sum(dim=2)
+
+
+def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, ties broken by the lower index (never by memory order).
+
+    Returns (indices [..., k], margin [...]): margin is the k-th minus the (k+1)-th score (inf when there is
+    no (k+1)-th), the distance to the nearest selection flip.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    idx = order.indices[..., :k]
+    vals = order.values
+    if scores.shape[-1] > k:
+        margin = vals[..., k - 1] - vals[..., k]
+    else:
+        margin = torch.full(scores.shape[:-1], float("inf"), dtype=scores.dtype, device=scores.device)
+    return idx, margin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    if limit and limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w1: QWeight,
+    w3: QWeight,
+    w2: QWeight,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts: x [T, D], stacked expert weights w1/w3 [E, I, D], w2 [E, D, I], idx/weights [T, k].
+
+    out[t] = sum_j weights[t, j] * W2[e] swiglu(W1[e] x, W3[e] x), e = idx[t, j], summed in order j = 0..k-1
+    (a fixed order: no atomics, bit-reproducible). Only the experts that tokens selected are decoded.
+    """
+    acc = _acc(x.dtype)
+    xa = x.to(acc)
+    contrib = torch.zeros(*idx.shape, x.shape[-1], dtype=acc, device=x.device)  # [T, k, D]
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.nonzero(idx == e, as_tuple=True)
+        xe = xa[tok]
+        g = xe @ _expert(w1, e, acc).T
+        u = xe @ _expert(w3, e, acc).T
+        h = swiglu(g, u, limit)
+        contrib[tok, slot] = (h @ _expert(w2, e, acc).T) * weights[tok, slot].to(acc).unsqueeze(-1)
+    out = contrib[:, 0]
+    for j in range(1, idx.shape[1]):
+        out = out + contrib[:, j]
+    return out.to(x.dtype)
+
+
+def _expert(w: QWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(QWeight(w.data[e], None if w.scale is None else w.scale[e], w.kind), dtype)
