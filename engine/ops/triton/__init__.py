@@ -1,1 +1,313 @@
-"""Triton kernels (gfx90a wave64, Hopper, and the CPU interpreter)."""
+"""Triton backend of the ops interface (gfx90a wave64, Hopper, and the CPU through Triton's interpreter).
+
+Each public function has the name and signature of its `reference` twin. Tensors on a GPU run the
+compiled kernels; CPU tensors run the same kernel source in Triton's interpreter (a second copy of
+`kernels.py` decorated with TRITON_INTERPRET=1, so one process can hold both: the interpreter decides
+at decoration time, and the ISA tier needs the compiled copy). The interpreter cannot run bf16
+tensors (DESIGN.md section 7), so on the CPU bf16 inputs go to the reference op, as does float64
+(the kernels accumulate in fp32). `topk` is not defined here: the backend takes the reference's stable
+sort (one device sort; ties to the lower index are its contract, and a hand kernel does not pay at
+256 experts or the indexer's widths), see bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from .. import QWeight
+from .. import reference as _ref
+from . import kernels as _compiled
+
+_INTERP: ModuleType | None = None
+
+
+_AS_INTERPRETED: dict[int, object] = {}
+
+
+def _jit_call_interpreted(self, *args, **kwargs):
+    """JITFunction.__call__ while interpreting: triton.language's own @jit helpers (tl.sum, tl.zeros, ...)
+    were decorated when triton was imported, normally without TRITON_INTERPRET; run them interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    fn = _AS_INTERPRETED.get(id(self))
+    if fn is None:
+        fn = _AS_INTERPRETED[id(self)] = InterpretedFunction(self.fn)
+    return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _interpret_env():
+    """TRITON_INTERPRET=1 (read by @triton.jit at decoration time) and interpreted calls of compiled helpers."""
+    from triton.runtime.jit import JITFunction
+
+    old = os.environ.get("TRITON_INTERPRET")
+    old_call = JITFunction.__call__
+    os.environ["TRITON_INTERPRET"] = "1"
+    JITFunction.__call__ = _jit_call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = old_call
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _interpreted() -> ModuleType:
+    """kernels.py loaded a second time with every @triton.jit turned into an interpreted function."""
+    global _INTERP
+    if _INTERP is None:
+        name = __name__ + "._kernels_interp"
+        spec = importlib.util.spec_from_file_location(name, _compiled.__file__)
+        mod = importlib.util.module_from_spec(spec)
+        with _interpret_env():
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        _INTERP = mod
+    return _INTERP
+
+
+class _Launch:
+    """kernel[grid](...) against the compiled or the interpreted copy, chosen by the tensors' device."""
+
+    def __init__(self, t: torch.Tensor):
+        self.cpu = t.device.type == "cpu"
+        self.mod = _interpreted() if self.cpu else _compiled
+
+    def __call__(self, name: str, grid: tuple[int, ...], *args, **kwargs) -> None:
+        fn = getattr(self.mod, name)
+        if self.cpu:
+            with _interpret_env():
+                fn[grid](*args, **kwargs)
+        else:
+            fn[grid](*args, **kwargs)
+
+
+def _use_reference(*ts: torch.Tensor) -> bool:
+    """float64 always, and bf16 on the CPU (the interpreter computes garbage for bf16)."""
+    for t in ts:
+        if t.dtype == torch.float64 or (t.device.type == "cpu" and t.dtype == torch.bfloat16):
+            return True
+    return False
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 linear
+
+
+def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
+    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in x.dtype."""
+    m, g, k = x.shape
+    n = w.data.shape[0]
+    r = n // groups
+    wd, sd = _u8(w.data), _u8(w.scale)
+    y = torch.empty(m, g, r, dtype=x.dtype, device=x.device)
+    launch = _Launch(x)
+    args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1))
+    if m <= 4:
+        bm, bn, bk = _pow2(m, 1), 64 if launch.cpu else 32, 128
+        grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
+        launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    else:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn, bk = 64, 64
+        grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
+        launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+               IEEE=x.dtype == torch.float32, num_warps=4)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W^T; FP8 weights decoded in registers, others via the reference op."""
+    if w.kind != "fp8" or _use_reference(x):
+        return _ref.linear(x, w)
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1)
+    return y.reshape(*lead, -1)
+
+
+def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
+    """Block-diagonal projection x [..., G, Kg] with W [G*R, Kg] -> [..., G, R] (FP8 in registers)."""
+    if w.kind != "fp8" or _use_reference(x):
+        return _ref.grouped_linear(x, w, groups)
+    lead = x.shape[:-2]
+    y = _fp8_grouped(x.reshape(-1, groups, x.shape[-1]).contiguous(), w, groups)
+    return y.reshape(*lead, groups, -1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# MXFP4 MoE
+
+
+def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
+    """Group the (token, slot) pairs by expert without a host sync.
+
+    Returns (pair_tok, pair_id, blk_e, blk_lo, blk_hi): sorted pairs' token and flat (t*k + j) ids, and per
+    launch block its expert (-1 for unused tail blocks) and its [lo, hi) range of sorted pairs. The grid
+    has an upper bound of blocks (ceil(P / block_m) + min(E, P)) so it is known on the host.
+    """
+    flat = idx.reshape(-1).to(torch.int64)
+    p = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    nblk = (counts + block_m - 1) // block_m
+    cum = torch.cumsum(nblk, 0)
+    ub = triton_cdiv(p, block_m) + min(n_experts, p)
+    b = torch.arange(ub, device=idx.device)
+    e = torch.searchsorted(cum, b, right=True)
+    valid = e < n_experts
+    ec = e.clamp(max=n_experts - 1)
+    first = cum[ec] - nblk[ec]
+    lo = starts[ec] + (b - first) * block_m
+    hi = starts[ec] + counts[ec]
+    blk_e = torch.where(valid, ec, torch.full_like(ec, -1)).to(torch.int32)
+    pair_id = order.to(torch.int32)
+    pair_tok = (order // idx.shape[-1]).to(torch.int32)
+    return pair_tok, pair_id, blk_e, lo.to(torch.int32), hi.to(torch.int32)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w1: QWeight,
+    w3: QWeight,
+    w2: QWeight,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed MXFP4 experts: grouped gate/up with fused clamped SwiGLU, grouped down x routing weight,
+    then the fixed-order sum over the k slots (see reference.moe_experts for the math)."""
+    if w1.kind != "mxfp4" or w2.kind != "mxfp4" or w3.kind != "mxfp4" or _use_reference(x):
+        return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit)
+    t, d = x.shape
+    topk = idx.shape[-1]
+    n_exp, inter = w1.data.shape[0], w1.data.shape[1]
+    x = x.contiguous()
+    launch = _Launch(x)
+    bm = 1 if t == 1 else (2 if t * topk <= 2 * n_exp else 4)
+    pair_tok, pair_id, blk_e, blk_lo, blk_hi = moe_blocks(idx, n_exp, bm)
+    nb = blk_e.numel()
+    d1, s1, d3, s3, d2, s2 = (_u8(w1.data), _u8(w1.scale), _u8(w3.data), _u8(w3.scale), _u8(w2.data),
+                              _u8(w2.scale))
+    h = torch.empty(t * topk, inter, dtype=torch.float32, device=x.device)
+    bn, groups = (16, 4) if launch.cpu else (32, 8)
+    launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), nb),
+           x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
+           inter, d, float(limit or 0.0),
+           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4)
+    c = torch.empty(t * topk, d, dtype=torch.float32, device=x.device)
+    wts = weights.contiguous().reshape(-1)
+    launch("moe_down_kernel", (triton_cdiv(d, bn), nb),
+           h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
+           d, inter,
+           h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4)
+    out = torch.empty_like(x)
+    bd = 1024
+    launch("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=topk, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Norm, RoPE
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm, one row per program, fp32 statistics."""
+    if _use_reference(x):
+        return _ref.rms_norm(x, weight, eps)
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    y = torch.empty_like(x2)
+    w = weight.contiguous() if weight is not None else x2
+    _Launch(x)("rms_norm_kernel", (x2.shape[0],), x2, w, y, d, float(eps), x2.stride(0), y.stride(0),
+               HAS_W=weight is not None, BLOCK_D=_pow2(d), num_warps=4)
+    return y.reshape(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved-pair RoPE on the last 2*cos.shape[-1] dims of x [B, S, H, D]; inverse rotates by -angle."""
+    if _use_reference(x, cos, sin):
+        return _ref.rope(x, cos, sin, inverse)
+    b, s, h, d = x.shape
+    half = cos.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    c = cos.expand(b, s, half).contiguous()
+    sn = sin.expand(b, s, half).contiguous()
+    _Launch(x)("rope_kernel", (b * s,), xc, c, sn, y, h, d, half, -1.0 if inverse else 1.0,
+               BLOCK_H=_pow2(h, 1), BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1),
+               num_warps=4)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention, indexer
+
+
+def attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV attention with sinks (see reference.attention): one query position x a head block per program."""
+    if _use_reference(q, kv):
+        return _ref.attention(q, kv, sink, mask, scale)
+    b, s, h, d = q.shape
+    ln = kv.shape[1]
+    q = q.contiguous()
+    kv = kv.contiguous()
+    m8 = mask.expand(b, s, ln).contiguous().view(torch.uint8)
+    o = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    launch = _Launch(q)
+    bh = min(_pow2(h), 32 if d <= 256 else 16)
+    bl = 16 if launch.cpu or d > 256 else 32
+    launch("attention_kernel", (s, b, triton_cdiv(h, bh)),
+           q, kv, sink.contiguous().float(), m8, o, s, h, ln, d, float(scale),
+           q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
+           o.stride(0), o.stride(1), o.stride(2),
+           BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
+    return o
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores [B, S, T] in fp32: relu(q.k) weighted per head, heads summed in fp32."""
+    if _use_reference(q, k, weights):
+        return _ref.index_scores(q, k, weights, scale)
+    b, s, h, d = q.shape
+    t = k.shape[1]
+    q = q.contiguous()
+    k = k.contiguous()
+    w = weights.contiguous()
+    o = torch.empty(b, s, t, dtype=torch.float32, device=q.device)
+    bt = 32
+    _Launch(q)("index_scores_kernel", (s, b, triton_cdiv(t, bt)),
+               q, k, w, o, s, h, t, d, float(scale),
+               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
+               o.stride(0), o.stride(1),
+               BLOCK_H=_pow2(h), BLOCK_T=bt, BLOCK_D=_pow2(d), IEEE=q.dtype == torch.float32, num_warps=4)
+    return o
+
+
+__all__ = ["linear", "grouped_linear", "rms_norm", "rope", "attention", "index_scores", "moe_experts",
+           "moe_blocks"]

@@ -1,0 +1,366 @@
+"""Triton kernels for the V4 ops; launchers live in `__init__.py`, ISA compile specs at the bottom.
+
+Portability rules kept here (DESIGN.md sections 4 and 6):
+- gfx90a has no FP8/FP4 units: E4M3 and E2M1 are decoded in registers with integer bit ops. A code's
+  magnitude bits are shifted into the exponent/mantissa fields of an fp16 (E4M3: value / 2^8, E2M1:
+  value / 2^14; the small codes land on fp16 subnormals), bitcast, converted to fp32 (exact) and the 2^8 /
+  2^14 factor is folded into the UE8M0 block scale, so no fp16/bf16 subnormal ever reaches a matrix unit
+  (MI200 MFMA flushes fp16/bf16 subnormals).
+- Every dot and reduction accumulates in fp32; fp32 operands use `input_precision="ieee"` (no tf32).
+- No lane-count literal: block sizes are constexpr and Triton maps them onto num_warps x 32 (CUDA) or
+  num_warps x 64 (gfx90a) lanes.
+- Deterministic: no atomics; split work is combined in a fixed order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# fp32 bits of the UE8M0 scale are (s << 23) (s = 0 maps to 0.0, not 2^-127; s = 255 is NaN in UE8M0).
+
+
+@triton.jit
+def _e8m0(s_u8, EXTRA: tl.constexpr):
+    """UE8M0 byte -> fp32 2^(s - 127 + EXTRA) by placing s + EXTRA in the fp32 exponent field."""
+    e = s_u8.to(tl.int32) + EXTRA
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_f32(b_u8):
+    """E4M3 byte -> fp32 value / 2^8 (exact): fp16 bits s|eeee|mmm placed at 15|13..10|9..7."""
+    b = b_u8.to(tl.int16)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_f32(c):
+    """E2M1 code (low 4 bits of an int16) -> fp32 value / 2^14 (exact): fp16 bits s|ee|m at 15|11..10|9."""
+    h = ((c & 0x7) << 9) | ((c & 0x8) << 12)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 (E4M3, UE8M0 per 128x128 block) linear / grouped linear.
+# y[m, g, r] = sum_k x[m, g, k] * W[g*R + r, k]; plain linear is G = 1.
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, R, K,
+    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Small-M (decode) path: weights decoded once per program and reused by BLOCK_M rows via FMA.
+
+    BLOCK_K divides 128, so every K tile sits in one scale block; the scale multiplies the tile's partial
+    sums [BLOCK_M, BLOCK_N], not each weight.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = g * R + offs_r  # global weight rows
+    m_ok = offs_m < M
+    r_ok = offs_r < R
+    x_base = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm
+    w_base = w_ptr + rows[:, None] * stride_wn
+    s_base = s_ptr + (rows // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        wb = tl.load(w_base + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0)
+        w = _e4m3_f32(wb)  # [BN, BK]
+        x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 8)
+        acc += part * sc[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def fp8_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, R, K,
+    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Prefill path: decoded tile fed to tl.dot (MFMA / tensor cores); per-block scale on the fp32 partial."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = g * R + offs_r
+    m_ok = offs_m < M
+    r_ok = offs_r < R
+    x_base = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm
+    w_base = w_ptr + rows[None, :] * stride_wn  # [1, BN]: tile loaded as [BK, BN]
+    s_base = s_ptr + (rows // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wb = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0)
+        w = (_e4m3_f32(wb) * 256.0).to(x.dtype)  # exact E4M3 value, a normal number or zero
+        if IEEE:
+            part = tl.dot(x, w, input_precision="ieee")
+        else:
+            part = tl.dot(x, w)
+        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
+        acc += part * sc[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# MXFP4 MoE. Pairs (token t, slot j) are sorted by expert; block b covers sorted pairs
+# [blk_lo[b], blk_hi[b]) of expert blk_e[b] (blk_e = -1: an unused tail block of the launch grid).
+# Packed weights: [E, N, K/2] bytes, element 2i in the low nibble; scales [E, N, K/32].
+
+
+@triton.jit
+def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """sum_k x[m, k] * W[n, k] over all K for one [BLOCK_N] row tile and BLOCK_M gathered rows.
+
+    Tile = [BLOCK_N, GROUPS, 16] bytes: each 16-byte run is one scale group of 32 values; the 16 low
+    nibbles meet the even x values and the high nibbles the odd ones, so no interleave is needed; the
+    group's partial sum is scaled once.
+    """
+    offs_g = tl.arange(0, GROUPS)
+    offs_j = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        gg = g0 + offs_g
+        g_ok = gg < K // 32
+        byte = gg[:, None] * 16 + offs_j[None, :]  # [G, 16]
+        wmask = r_ok[:, None, None] & g_ok[None, :, None]
+        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.int16)
+        w_lo = _e2m1_f32(wb)  # [BN, G, 16]
+        w_hi = _e2m1_f32(wb >> 4)
+        xm = m_ok[:, None, None] & g_ok[None, :, None]
+        xo = byte[None, :, :] * 2
+        x_lo = tl.load(x_lo_base[:, None, None] + xo, mask=xm, other=0.0).to(tl.float32)  # [BM, G, 16]
+        x_hi = tl.load(x_hi_base[:, None, None] + xo, mask=xm, other=0.0).to(tl.float32)
+        part = tl.sum(x_lo[:, None, :, :] * w_lo[None, :, :, :] + x_hi[:, None, :, :] * w_hi[None, :, :, :],
+                      axis=3)  # [BM, BN, G]
+        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 14)
+        acc += tl.sum(part * sc[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+    pair_tok_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
+    I, D, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
+    HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= 0:
+        lo = tl.load(blk_lo_ptr + b)
+        hi = tl.load(blk_hi_ptr + b)
+        pairs = lo + tl.arange(0, BLOCK_M)
+        m_ok = pairs < hi
+        tok = tl.load(pair_tok_ptr + pairs, mask=m_ok, other=0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_ok = offs_n < I
+        x_row = x_ptr + tok.to(tl.int64) * stride_xt
+        e64 = e.to(tl.int64)
+        w_off = e64 * stride_we + offs_n * stride_wn
+        s_off = e64 * stride_se + offs_n * stride_sn
+        g = _mxfp4_tile_gemv(w1_ptr + w_off, s1_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
+                             BLOCK_M, BLOCK_N, GROUPS)
+        u = _mxfp4_tile_gemv(w3_ptr + w_off, s3_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
+                             BLOCK_M, BLOCK_N, GROUPS)
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + pairs[:, None] * stride_hp + offs_n[None, :], h, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    h_ptr, w2_ptr, s2_ptr, c_ptr,
+    pair_id_ptr, pair_w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
+    D, I,
+    stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """contrib[t*k + j] = weights[t, j] * W2[e] h[pair]: written to the pair's own row (fixed-order sum later)."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= 0:
+        lo = tl.load(blk_lo_ptr + b)
+        hi = tl.load(blk_hi_ptr + b)
+        pairs = lo + tl.arange(0, BLOCK_M)
+        m_ok = pairs < hi
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_ok = offs_n < D
+        h_row = h_ptr + pairs.to(tl.int64) * stride_hp
+        e64 = e.to(tl.int64)
+        y = _mxfp4_tile_gemv(w2_ptr + e64 * stride_we + offs_n * stride_wn,
+                             s2_ptr + e64 * stride_se + offs_n * stride_sn, h_row, h_row + 1, I, r_ok, m_ok,
+                             BLOCK_M, BLOCK_N, GROUPS)
+        pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
+        wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
+        tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
+                 mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(c_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_j contrib[t, j] in the order j = 0..k-1 (bit-reproducible, no atomics)."""
+    t = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = offs < D
+    base = c_ptr + t.to(tl.int64) * TOPK * D + offs
+    acc = tl.load(base, mask=ok, other=0.0)
+    for j in tl.static_range(1, TOPK):
+        acc += tl.load(base + j * D, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * D + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Norm and RoPE.
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
+                    HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row per program; mean of squares in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * r
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, HALF, SIGN,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One (b, s) position per program, all heads: copy the non-RoPE dims, rotate interleaved pairs.
+
+    x, y contiguous [B*S, H, D]; cos/sin contiguous [B*S, HALF]; SIGN = -1 for the inverse rotation.
+    """
+    p = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    row = p * H * D + offs_h[:, None] * D
+    nope = D - 2 * HALF
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = h_ok[:, None] & (offs_d[None, :] < nope)
+    tl.store(y_ptr + row + offs_d[None, :], tl.load(x_ptr + row + offs_d[None, :], mask=d_ok), mask=d_ok)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < HALF
+    c = tl.load(cos_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :] * SIGN
+    m = h_ok[:, None] & r_ok[None, :]
+    even = row + nope + 2 * offs_r[None, :]
+    x0 = tl.load(x_ptr + even, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + even + 1, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + even, (x0 * c - x1 * s).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + even + 1, (x0 * s + x1 * c).to(y_ptr.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention (shared K = V, sink in the denominator) and indexer scores.
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, kv_ptr, sink_ptr, mask_ptr, o_ptr,
+    S, H, L, D, scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_kl, stride_mb, stride_ms,
+    stride_ob, stride_os, stride_oh,
+    BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One query position x BLOCK_H heads per program (the heads share the KV rows: they are the dot's M).
+
+    Online softmax with fp32 running max m and sum l, both started from the sink (m = sink, l = 1), so the
+    sink is in the denominator only and a row with no visible key returns zeros.
+    """
+    s_idx = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + s_idx * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    l_i = tl.full((BLOCK_H,), 1.0, tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    offs_l = tl.arange(0, BLOCK_L)
+    for l0 in range(0, L, BLOCK_L):
+        ll = l0 + offs_l
+        l_ok = ll < L
+        kv = tl.load(kv_ptr + b * stride_kb + ll[:, None] * stride_kl + offs_d[None, :],
+                     mask=l_ok[:, None] & d_ok[None, :], other=0.0)
+        vis = tl.load(mask_ptr + b * stride_mb + s_idx * stride_ms + ll, mask=l_ok, other=0) != 0
+        if IEEE:
+            logit = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
+        else:
+            logit = tl.dot(q, tl.trans(kv)) * scale
+        logit = tl.where(vis[None, :], logit, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(logit - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def index_scores_kernel(
+    q_ptr, k_ptr, w_ptr, o_ptr,
+    S, H, T, D, scale,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_ob, stride_os,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    """o[b, s, t] = scale * sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t]); heads summed in fp32, in order."""
+    s_idx = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    t_ok = offs_t < T
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + s_idx * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.load(k_ptr + b * stride_kb + offs_t[:, None] * stride_kt + offs_d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        dots = tl.dot(q, tl.trans(k))
+    w = tl.load(w_ptr + b * stride_wb + s_idx * stride_ws + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    sc = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+    tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_t, sc, mask=t_ok)
