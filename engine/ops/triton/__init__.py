@@ -43,7 +43,7 @@ def _jit_call_interpreted(self, *args, **kwargs):
 
 @contextlib.contextmanager
 def _interpret_env():
-    """TRITON_INTERPRET=1 (read by @triton.jit at decoration time) and interpreted calls of compiled helpers."""
+    """TRITON_INTERPRET=1 (read by @triton.jit at decoration time); compiled helpers called interpreted."""
     from triton.runtime.jit import JITFunction
 
     old = os.environ.get("TRITON_INTERPRET")
@@ -109,6 +109,11 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # FP8 linear
 
+# Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
+FP8_GEMV_MAX_M = 4
+FP8_GEMV = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4}
+
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in x.dtype."""
@@ -118,11 +123,14 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     wd, sd = _u8(w.data), _u8(w.scale)
     y = torch.empty(m, g, r, dtype=x.dtype, device=x.device)
     launch = _Launch(x)
-    args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1))
-    if m <= 4:
-        bm, bn, bk = _pow2(m, 1), 64 if launch.cpu else 32, 128
+    args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
+            y.stride(0), y.stride(1))
+    if m <= FP8_GEMV_MAX_M:
+        bm = _pow2(m, 1)
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV
+        bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
-        launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn, bk = 64, 64
@@ -186,6 +194,46 @@ def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
     return pair_tok, pair_id, blk_e, lo.to(torch.int32), hi.to(torch.int32)
 
 
+def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
+    """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
+    t, topk = idx.shape
+    bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
+    return (bm, *moe_blocks(idx, n_experts, bm))
+
+
+def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
+    """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert."""
+    bm, pair_tok, _, blk_e, blk_lo, blk_hi = plan
+    inter, d = w1.data.shape[1], x.shape[1]
+    launch = _Launch(x)
+    bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
+    d1, s1, d3, s3 = _u8(w1.data), _u8(w1.scale), _u8(w3.data), _u8(w3.scale)
+    h = torch.empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
+    launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
+           x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
+           inter, d, float(limit or 0.0),
+           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=nw)
+    return h
+
+
+def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple) -> torch.Tensor:
+    """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h."""
+    bm, _, pair_id, blk_e, blk_lo, blk_hi = plan
+    d, inter = w2.data.shape[1], h.shape[1]
+    launch = _Launch(h)
+    bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
+    d2, s2 = _u8(w2.data), _u8(w2.scale)
+    c = torch.empty(h.shape[0], d, dtype=torch.float32, device=h.device)
+    wts = weights.contiguous().reshape(-1)
+    launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
+           h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
+           d, inter,
+           h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=nw)
+    return c
+
+
 def moe_experts(
     x: torch.Tensor,
     w1: QWeight,
@@ -200,32 +248,13 @@ def moe_experts(
     if w1.kind != "mxfp4" or w2.kind != "mxfp4" or w3.kind != "mxfp4" or _use_reference(x):
         return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit)
     t, d = x.shape
-    topk = idx.shape[-1]
-    n_exp, inter = w1.data.shape[0], w1.data.shape[1]
     x = x.contiguous()
-    launch = _Launch(x)
-    bm = 1 if t == 1 else (2 if t * topk <= 2 * n_exp else 4)
-    pair_tok, pair_id, blk_e, blk_lo, blk_hi = moe_blocks(idx, n_exp, bm)
-    nb = blk_e.numel()
-    d1, s1, d3, s3, d2, s2 = (_u8(w1.data), _u8(w1.scale), _u8(w3.data), _u8(w3.scale), _u8(w2.data),
-                              _u8(w2.scale))
-    h = torch.empty(t * topk, inter, dtype=torch.float32, device=x.device)
-    bn, groups = (16, 4) if launch.cpu else (32, 8)
-    launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), nb),
-           x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
-           inter, d, float(limit or 0.0),
-           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4)
-    c = torch.empty(t * topk, d, dtype=torch.float32, device=x.device)
-    wts = weights.contiguous().reshape(-1)
-    launch("moe_down_kernel", (triton_cdiv(d, bn), nb),
-           h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
-           d, inter,
-           h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4)
+    plan = moe_prepare(x, idx, w1.data.shape[0])
+    c = moe_down(moe_gate_up(x, w1, w3, plan, limit), w2, weights, plan)
     out = torch.empty_like(x)
     bd = 1024
-    launch("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=topk, BLOCK_D=bd, num_warps=4)
+    _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=idx.shape[-1], BLOCK_D=bd,
+               num_warps=4)
     return out
 
 
@@ -269,7 +298,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 def attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Shared-KV attention with sinks (see reference.attention): one query position x a head block per program."""
+    """Shared-KV attention with sinks (as reference.attention): a query position x head block per program."""
     if _use_reference(q, kv):
         return _ref.attention(q, kv, sink, mask, scale)
     b, s, h, d = q.shape

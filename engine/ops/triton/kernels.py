@@ -202,7 +202,7 @@ def moe_down_kernel(
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """contrib[t*k + j] = weights[t, j] * W2[e] h[pair]: written to the pair's own row (fixed-order sum later)."""
+    """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
