@@ -1,0 +1,297 @@
+"""Metrics and assertions for tensors and logits, usable from any test (not only this suite's).
+
+Metrics are plain functions returning frozen dataclasses, computed in float64 so the comparison adds no
+rounding of its own; the ``assert_*`` functions raise an ``AssertionError`` whose single line says what was
+compared (prompt, step, layer: the caller's ``what``), which metric failed, its value and its limit.
+
+    from pytest_cdna2.compare import assert_tensors_close, assert_logits_close
+    assert_tensors_close(out, ref, rtol_fro=1e-5, what="fp8 linear 3x4096x512")
+    assert_logits_close(logits, golden, limits={"kl_max": 1e-3, "top1_min": 1.0}, what="prompt p03")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TensorMetrics",
+    "LogitMetrics",
+    "tensor_metrics",
+    "logit_metrics",
+    "assert_tensors_close",
+    "assert_logits_close",
+    "token_divergence",
+    "LOGIT_LIMIT_KEYS",
+]
+
+# The limit names assert_logits_close understands (the [token] section of a tolerance profile).
+LOGIT_LIMIT_KEYS = ("kl_max", "cosine_min", "max_abs", "top1_min", "topk")
+
+
+def _f64(t: Any) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    return t.detach().to(device="cpu", dtype=torch.float64)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def _prefix(what: str) -> str:
+    return f"{what}: " if what else ""
+
+
+def _nonfinite_mismatch(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Positions where a non-finite value appears in one tensor and not identically in the other."""
+    fa, fe = torch.isfinite(a), torch.isfinite(e)
+    same_special = (~fa & ~fe) & ((a == e) | (torch.isnan(a) & torch.isnan(e)))
+    return (~fa | ~fe) & ~same_special
+
+
+@dataclass(frozen=True)
+class TensorMetrics:
+    """How far ``actual`` is from ``expected``; the error metrics cover positions finite in both."""
+
+    shape: tuple[int, ...]
+    rel_fro: float  # ||a - e||_F / ||e||_F
+    max_abs: float  # max |a - e|
+    max_abs_index: tuple[int, ...] | None
+    cosine: float  # <a, e> / (|a| |e|)
+    mismatches: int  # elements with |a - e| > mismatch_tol
+    mismatch_tol: float  # rtol_fro * rms(e): the per-element error that alone would reach rtol_fro
+    nonfinite: int  # positions where NaN/Inf differ between the two
+    nonfinite_index: tuple[int, ...] | None
+
+
+def tensor_metrics(actual: Any, expected: Any, *, rtol_fro: float | None = None) -> TensorMetrics:
+    """Relative Frobenius error, max-abs with its index, cosine, mismatch and NaN counts, in float64.
+
+    ``mismatches`` counts elements whose error exceeds ``rtol_fro`` times the RMS of ``expected`` (if every
+    element erred by that much the relative Frobenius error would equal ``rtol_fro``); without ``rtol_fro``
+    it counts elements that differ at all.
+    """
+    a, e = _f64(actual), _f64(expected)
+    if a.shape != e.shape:
+        raise ValueError(f"shapes differ: actual {tuple(a.shape)} vs expected {tuple(e.shape)}")
+    shape = tuple(a.shape)
+    bad = _nonfinite_mismatch(a, e)
+    nonfinite = int(bad.sum())
+    nonfinite_index = _unravel(int(bad.flatten().nonzero()[0]), shape) if nonfinite else None
+    ok = torch.isfinite(a) & torch.isfinite(e)
+    a, e = torch.where(ok, a, 0.0), torch.where(ok, e, 0.0)
+    diff = a - e
+    dn, en, an = diff.norm().item(), e.norm().item(), a.norm().item()
+    rel = (0.0 if dn == 0 else float("inf")) if en == 0 else dn / en
+    if an == 0 and en == 0:
+        cos = 1.0
+    elif an == 0 or en == 0:
+        cos = 0.0
+    else:
+        cos = (a.flatten() @ e.flatten()).item() / (an * en)
+    absd = diff.abs().flatten()
+    if absd.numel():
+        i = int(absd.argmax())
+        max_abs, max_index = absd[i].item(), _unravel(i, shape)
+    else:
+        max_abs, max_index = 0.0, None
+    n_ok = int(ok.sum())
+    tol = (rtol_fro * en / n_ok**0.5) if (rtol_fro is not None and n_ok) else 0.0
+    mismatches = int((absd > tol).sum())
+    return TensorMetrics(shape, rel, max_abs, max_index, cos, mismatches, tol, nonfinite, nonfinite_index)
+
+
+def assert_tensors_close(actual: Any, expected: Any, *, rtol_fro: float, what: str = "") -> TensorMetrics:
+    """Fail unless shapes match, NaN/Inf agree and the relative Frobenius error is <= ``rtol_fro``."""
+    p = _prefix(what)
+    sa, se = tuple(torch.as_tensor(actual).shape), tuple(torch.as_tensor(expected).shape)
+    if sa != se:
+        raise AssertionError(f"{p}shape {sa} != expected {se}")
+    m = tensor_metrics(actual, expected, rtol_fro=rtol_fro)
+    if m.nonfinite:
+        raise AssertionError(
+            f"{p}nonfinite: {m.nonfinite} NaN/Inf value(s) not in expected, first at index "
+            f"{m.nonfinite_index} (limit 0)"
+        )
+    if not m.rel_fro <= rtol_fro:
+        raise AssertionError(
+            f"{p}rel_fro {m.rel_fro:.3e} > limit {rtol_fro:.3e} (max_abs {m.max_abs:.3e} at index "
+            f"{m.max_abs_index}, cosine {m.cosine:.9f}, {m.mismatches}/{_numel(m.shape)} elements beyond "
+            f"{m.mismatch_tol:.3e})"
+        )
+    return m
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class LogitMetrics:
+    """Per-position comparison of logits ``[B, T, V]`` (a ``[T, V]`` input counts as B = 1).
+
+    Positions are ``(batch, step)``. ``kl`` is KL(expected || actual) in nats, ``first_divergence`` the
+    earliest step whose argmax differs (None when all agree) and ``topk_rank`` the rank of the expected
+    argmax in the actual's logits there (0 = the top; vLLM's check is ``topk_rank < k``).
+    """
+
+    positions: int
+    kl: torch.Tensor  # [B, T] float64
+    kl_max: float
+    kl_max_at: tuple[int, int]
+    kl_mean: float
+    cosine_min: float
+    cosine_min_at: tuple[int, int]
+    max_abs: float
+    max_abs_at: tuple[int, int, int]
+    top1_agreement: float
+    first_divergence: tuple[int, int] | None
+    topk_rank: int | None
+    nonfinite: int
+    nonfinite_at: tuple[int, int, int] | None
+
+
+def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() != 3:
+        raise ValueError(f"{name} logits must be [T, V] or [B, T, V], got shape {tuple(t.shape)}")
+    return t
+
+
+def logit_metrics(actual: Any, expected: Any) -> LogitMetrics:
+    """KL, cosine, max-abs, top-1 agreement and first divergence of two logit tensors, in float64."""
+    a, e = _as_3d(_f64(actual), "actual"), _as_3d(_f64(expected), "expected")
+    if a.shape != e.shape:
+        raise ValueError(f"shapes differ: actual {tuple(a.shape)} vs expected {tuple(e.shape)}")
+    B, T, V = a.shape
+    if B * T == 0 or V == 0:
+        raise ValueError(f"empty logits: shape {tuple(a.shape)}")
+    bad = _nonfinite_mismatch(a, e)
+    nonfinite = int(bad.sum())
+    nonfinite_at = _unravel(int(bad.flatten().nonzero()[0]), (B, T, V)) if nonfinite else None
+
+    lp_e, lp_a = torch.log_softmax(e, -1), torch.log_softmax(a, -1)
+    p_e = lp_e.exp()
+    terms = torch.where(p_e > 0, p_e * (lp_e - lp_a), torch.zeros_like(p_e))
+    kl = terms.sum(-1).clamp_min(0.0)  # [B, T]; tiny negative sums are rounding
+    kl = torch.where(torch.isnan(kl), torch.full_like(kl, float("inf")), kl)
+    ki = int(kl.flatten().argmax())
+
+    fa, fe = a.nan_to_num(0.0, 0.0, 0.0), e.nan_to_num(0.0, 0.0, 0.0)
+    na, ne = fa.norm(dim=-1), fe.norm(dim=-1)
+    cos = (fa * fe).sum(-1) / (na * ne).clamp_min(torch.finfo(torch.float64).tiny)
+    cos = torch.where((na == 0) & (ne == 0), torch.ones_like(cos), cos)
+    ci = int(cos.flatten().argmin())
+
+    absd = torch.where(bad, torch.full_like(a, float("inf")), (a - e).abs().nan_to_num(0.0))
+    mi = int(absd.flatten().argmax())
+
+    top_a, top_e = a.argmax(-1), e.argmax(-1)  # [B, T]; ties -> lowest index in both
+    agree = top_a == top_e
+    first, rank = None, None
+    if not bool(agree.all()):
+        steps = [int((~agree[b]).nonzero()[0]) if not bool(agree[b].all()) else T for b in range(B)]
+        t0 = min(steps)
+        b0 = steps.index(t0)
+        first = (b0, t0)
+        ranks = []
+        for b, t in enumerate(steps):
+            if t < T:
+                row = a[b, t]
+                ranks.append(int((row > row[top_e[b, t]]).sum()))
+        rank = max(ranks)
+    return LogitMetrics(
+        positions=B * T,
+        kl=kl,
+        kl_max=kl.flatten()[ki].item(),
+        kl_max_at=_unravel(ki, (B, T)),
+        kl_mean=kl.mean().item(),
+        cosine_min=cos.flatten()[ci].item(),
+        cosine_min_at=_unravel(ci, (B, T)),
+        max_abs=absd.flatten()[mi].item(),
+        max_abs_at=_unravel(mi, (B, T, V)),
+        top1_agreement=agree.double().mean().item(),
+        first_divergence=first,
+        topk_rank=rank,
+        nonfinite=nonfinite,
+        nonfinite_at=nonfinite_at,
+    )
+
+
+def _limits_dict(limits: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(limits) and not isinstance(limits, type):
+        limits = dataclasses.asdict(limits)
+    if not isinstance(limits, Mapping):
+        raise TypeError(f"limits must be a mapping or a limits dataclass, got {type(limits).__name__}")
+    return {k: v for k, v in limits.items() if k in LOGIT_LIMIT_KEYS and v is not None}
+
+
+def _pos(at: tuple[int, ...], batched: bool) -> str:
+    return f"batch {at[0]} step {at[1]}" if batched else f"step {at[1]}"
+
+
+def assert_logits_close(actual: Any, expected: Any, *, limits: Any, what: str = "") -> LogitMetrics:
+    """Fail when any metric named in ``limits`` is beyond its limit; a missing key is not checked.
+
+    ``limits`` is a mapping or a :class:`~pytest_cdna2.tolerance.TokenLimits`: ``kl_max``, ``cosine_min``,
+    ``max_abs``, ``top1_min`` (fraction of positions whose argmax agrees) and ``topk`` (at the first
+    divergence the expected argmax must be within the actual's top-k). NaN/Inf in only one tensor always
+    fails. All failures go on one line, each naming the step.
+    """
+    lim = _limits_dict(limits)
+    a = torch.as_tensor(actual)
+    if tuple(a.shape) != tuple(torch.as_tensor(expected).shape):
+        raise AssertionError(
+            f"{_prefix(what)}shape {tuple(a.shape)} != expected {tuple(torch.as_tensor(expected).shape)}"
+        )
+    m = logit_metrics(actual, expected)
+    batched = a.dim() == 3
+    fails = []
+    if m.nonfinite:
+        fails.append(f"nonfinite {m.nonfinite} at {_pos(m.nonfinite_at, batched)} (limit 0)")
+    if "kl_max" in lim and not m.kl_max <= lim["kl_max"]:
+        fails.append(f"{_pos(m.kl_max_at, batched)}: kl {m.kl_max:.3e} > limit {lim['kl_max']:.3e}")
+    if "cosine_min" in lim and not m.cosine_min >= lim["cosine_min"]:
+        fails.append(
+            f"{_pos(m.cosine_min_at, batched)}: cosine {m.cosine_min:.9f} < limit {lim['cosine_min']}"
+        )
+    if "max_abs" in lim and not m.max_abs <= lim["max_abs"]:
+        fails.append(
+            f"{_pos(m.max_abs_at, batched)}: max_abs {m.max_abs:.3e} at token {m.max_abs_at[2]} "
+            f"> limit {lim['max_abs']:.3e}"
+        )
+    if "top1_min" in lim and not m.top1_agreement >= lim["top1_min"]:
+        fails.append(
+            f"top1 {m.top1_agreement:.4f} < limit {lim['top1_min']} (first divergence at "
+            f"{_pos(m.first_divergence, batched)})"
+        )
+    if "topk" in lim and m.topk_rank is not None and not m.topk_rank < lim["topk"]:
+        fails.append(
+            f"{_pos(m.first_divergence, batched)}: topk containment: expected token is rank "
+            f"{m.topk_rank} in actual, limit top-{lim['topk']}"
+        )
+    if fails:
+        raise AssertionError(_prefix(what) + "; ".join(fails))
+    return m
+
+
+def token_divergence(actual_tokens: Any, expected_tokens: Any) -> int | None:
+    """The first index where two 1-D token sequences differ (or where the shorter ends), None if equal."""
+    a = torch.as_tensor(actual_tokens).flatten().tolist()
+    e = torch.as_tensor(expected_tokens).flatten().tolist()
+    for i, (x, y) in enumerate(zip(a, e, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(e) else min(len(a), len(e))

@@ -1,0 +1,230 @@
+"""The suite's fixtures: device, engine, goldens, tolerance profile, metric recording.
+
+Thin on purpose: each resolves the session's :class:`Settings` (made by the plugin from the options) and
+hands the real work to ``devices``, ``goldens``, ``tolerance`` and ``report``. Setup problems that make
+every later test meaningless (no model, a corrupt golden) fail the test that met them and stop the session.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_cdna2 import report
+from pytest_cdna2.goldens import DEFAULT_PROMPTS, MANIFEST, GoldenError, GoldenStore, build_goldens
+from pytest_cdna2.tolerance import Profile
+
+__all__ = [
+    "Settings",
+    "SETTINGS",
+    "load_engine",
+    "regenerate_goldens",
+    "cdna2_settings",
+    "cdna2_device",
+    "cdna2_devices",
+    "cdna2_engine",
+    "cdna2_golden",
+    "cdna2_tolerance",
+    "cdna2_record",
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the options resolved to for this session (or this xdist worker)."""
+
+    devices: tuple[str, ...]  # every selected device
+    device: str  # this process's device (an xdist worker's pin)
+    model: Path
+    model_is_default: bool
+    goldens: Path
+    backend: str
+    engine: str  # "bundled" or "module:factory"
+    tolerance: Profile
+    regen: bool
+    perf_on_cpu: bool
+
+
+SETTINGS = pytest.StashKey[Settings]()
+REGENERATED = pytest.StashKey[str]()
+
+
+def _settings(config: pytest.Config) -> Settings:
+    return config.stash[SETTINGS]
+
+
+def _stop(request: pytest.FixtureRequest, message: str) -> None:
+    """Fail this setup with a one-line message and stop the session after it."""
+    request.session.shouldstop = message
+    pytest.fail(message, pytrace=False)
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """``bundled`` -> ``cdna2_engine.load_model``; ``pkg.mod:factory`` -> that callable."""
+    if spec == "bundled":
+        import cdna2_engine as bundled
+
+        return bundled.load_model
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise LookupError(f"--cdna2-engine={spec}: cannot import {module!r}: {e}") from None
+    obj: Any = mod
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise LookupError(f"--cdna2-engine={spec}: {module!r} has no callable {attr!r}")
+    return obj
+
+
+def load_engine(spec: str, path: str | Path, device: str, backend: str, **kwargs: Any) -> Any:
+    """Load a model: ``factory(path: str, device=str, backend=str, **kwargs)`` -> a Model API object."""
+    return resolve_factory(spec)(str(path), device=device, backend=backend, **kwargs)
+
+
+def regenerate_goldens(settings: Settings) -> GoldenStore:
+    """Rebuild the goldens with the float64 reference on the CPU, keeping the old prompts and steps."""
+    prompts: list[bytes] = list(DEFAULT_PROMPTS)
+    steps = 32
+    try:  # unverified on purpose: we only reuse its prompts
+        old = json.loads((settings.goldens / MANIFEST).read_text(encoding="utf-8"))
+        prompts = [bytes(p["tokens"]) for p in old["prompts"]] or prompts
+        steps = int(old.get("steps", steps))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    kwargs = {"dtype": torch.float64} if settings.engine == "bundled" else {}
+    model = load_engine(settings.engine, settings.model, "cpu", "reference", **kwargs)
+    return build_goldens(settings.model, settings.goldens, prompts, steps, model=model, regen=True,
+                         tolerance_profile=settings.tolerance.name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def cdna2_settings(pytestconfig: pytest.Config) -> Settings:
+    """The resolved ``--cdna2-*`` options.
+
+    Example::
+
+        def test_backend(cdna2_settings):
+            assert cdna2_settings.backend in ("reference", "triton")
+    """
+    return _settings(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def cdna2_device(pytestconfig: pytest.Config) -> torch.device:
+    """This session's device (under xdist: this worker's pinned GCD).
+
+    Example::
+
+        def test_matmul(cdna2_device):
+            x = torch.randn(64, 64, device=cdna2_device)
+    """
+    return torch.device(_settings(pytestconfig).device)
+
+
+@pytest.fixture(scope="session")
+def cdna2_devices(pytestconfig: pytest.Config) -> list[torch.device]:
+    """Every device ``--cdna2-device`` selected, for device-vs-device checks.
+
+    Example::
+
+        def test_gcds_agree(cdna2_devices):
+            if len(cdna2_devices) < 2:
+                pytest.skip("needs --cdna2-device=N,M")
+    """
+    return [torch.device(d) for d in _settings(pytestconfig).devices]
+
+
+@pytest.fixture(scope="session")
+def cdna2_tolerance(pytestconfig: pytest.Config) -> Profile:
+    """The tolerance profile (bundled default, overridden by ``--cdna2-tolerance=FILE``).
+
+    Example::
+
+        def test_logits(cdna2_tolerance, ...):
+            assert_logits_close(out, ref, limits=cdna2_tolerance.token, what="prompt p00")
+    """
+    return _settings(pytestconfig).tolerance
+
+
+@pytest.fixture(scope="session")
+def cdna2_engine(request: pytest.FixtureRequest) -> Any:
+    """The model under test, loaded once per session on :func:`cdna2_device` with ``--cdna2-backend``.
+
+    Example::
+
+        def test_prefill(cdna2_engine):
+            logits = cdna2_engine.forward(torch.tensor([[104, 105]], device=cdna2_engine.device))
+    """
+    s = _settings(request.config)
+    if not s.model.exists():
+        hint = "the bundled model is not built yet; " if s.model_is_default else ""
+        _stop(request, f"cdna2: model not found at {s.model}: {hint}pass --cdna2-model=DIR")
+    try:
+        factory = resolve_factory(s.engine)
+    except LookupError as e:
+        _stop(request, f"cdna2: {e}")
+    return factory(str(s.model), device=s.device, backend=s.backend)
+
+
+@pytest.fixture(scope="session")
+def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
+    """The golden store, every checksum verified and checked against the model under test; lazy tensors.
+
+    With ``--cdna2-regen-goldens`` it is rebuilt first and the test fails (rerun without the flag).
+
+    Example::
+
+        def test_p00(cdna2_engine, cdna2_golden, cdna2_tolerance):
+            ids = cdna2_golden.input_ids("p00")[None]
+            assert_logits_close(cdna2_engine.forward(ids)[0], cdna2_golden.teacher_logits("p00"),
+                                limits=cdna2_tolerance.token, what="prompt p00")
+    """
+    s = _settings(request.config)
+    if s.regen:
+        try:
+            store = regenerate_goldens(s)
+        except (GoldenError, OSError, LookupError) as e:
+            _stop(request, f"cdna2: regenerating goldens failed: {e}")
+        request.config.stash[REGENERATED] = str(store.path)
+        pytest.fail(
+            f"cdna2: goldens were rewritten at {store.path} ({len(store.prompts)} prompts, "
+            f"{store.steps} steps); this run fails on purpose: rerun without --cdna2-regen-goldens",
+            pytrace=False,
+        )
+    model = request.getfixturevalue("cdna2_engine")
+    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
+    try:
+        return GoldenStore.open(s.goldens, expected_model_sha256=sha)
+    except GoldenError as e:
+        _stop(request, f"cdna2: {e}")
+        raise  # unreachable: _stop raises
+
+
+@pytest.fixture
+def cdna2_record(request: pytest.FixtureRequest) -> Callable[..., bool]:
+    """Record a metric against its limit for the summary and JUnit XML; returns whether it is within.
+
+    Example::
+
+        def test_kl(cdna2_record, cdna2_tolerance):
+            m = logit_metrics(out, ref)
+            cdna2_record("kl_max", m.kl_max, cdna2_tolerance.token.kl_max, what="prompt p00")
+            cdna2_record("top1", m.top1_agreement, 1.0, higher_is_better=True)
+    """
+
+    def record(
+        metric: str, value: float, limit: float, *, higher_is_better: bool = False, what: str = ""
+    ) -> bool:
+        return report.record_metric(request.node, metric, value, limit, higher_is_better=higher_is_better,
+                                    what=what)
+
+    return record

@@ -1,0 +1,504 @@
+"""The golden store: reference outputs of one model, checksummed, read-only during a run.
+
+A store is a folder with ``manifest.json`` and safetensors files (DESIGN.md section 3)::
+
+    manifest.json           format, model sha256, prompts (text, token ids), steps, seed, backend, dtype,
+                            versions, tolerance profile name, and {file name: sha256} for every tensor file
+    teacher.safetensors     "<p>.input_ids" [Tf] and "<p>.logits" [Tf, V]: teacher-forced over the prompt
+                            followed by the greedy continuation (Tf = len(prompt) + steps - 1)
+    greedy.safetensors      "<p>.tokens" [steps], "<p>.logits" [steps, V]: free-running greedy decode
+    taps.safetensors        "<p>.<layer>.attn" / "<p>.<layer>.ffn" [Tf, hc, D]: per-layer hidden states
+    selections.safetensors  "<p>.<layer>.<router|indexer>.indices" [Tf, k] and ".margin" [Tf]
+
+Verification happens at open: every file's sha256 is checked before any test reads a tensor (hashing a
+20 MB store takes milliseconds, and a corrupt golden must stop the run before it can pass or fail a test
+for the wrong reason). Tensors are then loaded lazily, one key at a time, and cached.
+
+Writing goes through :class:`GoldenWriter`: into a temporary sibling folder, then renamed into place, so a
+reader sees the old store or the new one, never half of one; an existing store is replaced only with
+``regen=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "DEFAULT_PROMPTS",
+    "GoldenError",
+    "GoldenPrompt",
+    "GoldenSelection",
+    "GoldenStore",
+    "GoldenWriter",
+    "sha256_file",
+    "encode_prompt",
+    "decode_tokens",
+    "load_prompts",
+    "build_goldens",
+]
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
+
+
+class GoldenError(Exception):
+    """A golden store that cannot be trusted or used; the message names the file and the fix."""
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def encode_prompt(text: bytes | str, vocab_size: int | None = None) -> torch.Tensor:
+    """Byte-level token ids (token = byte value) as a LongTensor [T]; str is encoded as UTF-8."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    if not data:
+        raise ValueError("empty prompt")
+    if vocab_size is not None and vocab_size < 256:
+        raise ValueError(f"byte-level prompts need a vocabulary of >= 256 tokens, the model has {vocab_size}")
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def decode_tokens(tokens: Iterable[int]) -> str:
+    """Byte-level ids back to text for humans; ids >= 256 (special tokens) show as ``<id>``."""
+    out, buf = [], bytearray()
+    for t in tokens:
+        t = int(t)
+        if t < 256:
+            buf.append(t)
+        else:
+            out.append(buf.decode("utf-8", "replace") + f"<{t}>")
+            buf = bytearray()
+    return "".join(out) + buf.decode("utf-8", "replace")
+
+
+# Default prompts: Python-like and English text (what the bundled model is trained on), four of them
+# longer than any sliding window the tiny model uses, so the compressed-KV paths are exercised.
+_LONG = (
+    b"import os\nimport sys\n\n\ndef main(argv=None):\n    \"\"\"Parse the arguments and run.\"\"\"\n"
+    b"    if argv is None:\n        argv = sys.argv[1:]\n    for name in argv:\n        path = os.path.join"
+    b"(os.getcwd(), name)\n        if not os.path.exists(path):\n            print(f\"missing: {path}\", "
+    b"file=sys.stderr)\n            return 1\n        with open(path, encoding=\"utf-8\") as f:\n"
+    b"            for lineno, line in enumerate(f, 1):\n                if line.strip().startswith(\"#\"):\n"
+    b"                    continue\n                print(lineno, line.rstrip())\n    return 0\n"
+)
+DEFAULT_PROMPTS: tuple[bytes, ...] = (
+    b"def __init__(self, ",
+    b"import os\nimport sys\n",
+    b"class Queue:\n    \"\"\"A first-in, first-out queue.\"\"\"\n\n    def __init__(self):\n",
+    b"    for i in range(len(",
+    b"if __name__ == \"__main__\":\n    ",
+    b"    raise ValueError(\"",
+    b"The quick brown fox jumps over the lazy dog. ",
+    b"    return self.",
+    b"from collections import ",
+    b"        except KeyError:\n            ",
+    b"def _check_arg(name, value):\n    if not isinstance(value, int):\n        raise TypeError(",
+    b"# Copyright (c) Python Software Foundation.\n",
+    _LONG,
+    _LONG[::-1].swapcase(),
+    b"\n".join(_LONG.splitlines()[3:] + _LONG.splitlines()[:3]),
+    _LONG.replace(b"    ", b"\t") + b"\n\nif __name__ == \"__main__\":\n\tsys.exit(main())\n",
+)
+
+
+def load_prompts(path: str | Path) -> list[bytes]:
+    """Prompts from a file: ``.json`` is a list of strings; anything else is one prompt per non-empty line."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise GoldenError(f"prompts file {path}: {e.strerror or e}") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise GoldenError(f"prompts file {path}: not valid JSON: {e}") from None
+        if not isinstance(data, list) or not all(isinstance(p, str) and p for p in data):
+            raise GoldenError(f"prompts file {path}: expected a JSON list of non-empty strings")
+        prompts = [p.encode("utf-8") for p in data]
+    else:
+        prompts = [line for line in raw.splitlines() if line.strip()]
+    if not prompts:
+        raise GoldenError(f"prompts file {path}: no prompts")
+    return prompts
+
+
+@dataclass(frozen=True)
+class GoldenPrompt:
+    """One prompt of a store: its name (key prefix), text and token ids (prompt only)."""
+
+    name: str
+    text: bytes
+    tokens: tuple[int, ...]
+
+    def input_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The prompt as a ``[1, T]`` LongTensor, ready for ``Model.forward``/``generate``."""
+        return torch.tensor([list(self.tokens)], dtype=torch.long, device=device)
+
+
+class GoldenSelection(NamedTuple):
+    """A recorded sparse selection: top-k ``indices`` [T, k] and k-th/(k+1)-th score ``margin`` [T]."""
+
+    indices: torch.Tensor
+    margin: torch.Tensor
+
+
+class GoldenStore:
+    """A verified, read-only golden store; tensors load lazily. Use :meth:`open`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._keys: dict[str, set[str]] = {}
+
+    # -- opening and verification -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path, expected_model_sha256: str | None = None) -> GoldenStore:
+        """Read the manifest, check it is for ``expected_model_sha256`` (when given) and verify every file."""
+        path = Path(path)
+        mpath = path / MANIFEST
+        if not path.is_dir():
+            raise GoldenError(f"golden store {path} does not exist; {_BUILD_HINT}")
+        if not mpath.is_file():
+            raise GoldenError(f"no {MANIFEST} in {path}: not a golden store; {_BUILD_HINT}")
+        try:
+            manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise GoldenError(f"{mpath}: not valid JSON ({e}); {_BUILD_HINT}") from None
+        for key in ("format", "model_sha256", "prompts", "files"):
+            if not isinstance(manifest, dict) or key not in manifest:
+                raise GoldenError(f"{mpath}: missing key {key!r}; {_BUILD_HINT}")
+        if manifest["format"] != FORMAT:
+            raise GoldenError(
+                f"{mpath}: format {manifest['format']!r}, this pytest-cdna2 reads format {FORMAT}; "
+                f"{_BUILD_HINT}"
+            )
+        have = manifest["model_sha256"]
+        if expected_model_sha256 is not None and have is not None and have != expected_model_sha256:
+            raise GoldenError(
+                f"goldens at {path} are for model sha256 {have}, but the model under test has sha256 "
+                f"{expected_model_sha256}: pass --cdna2-goldens for this model, or {_BUILD_HINT}"
+            )
+        store = cls(path, manifest)
+        store.verify()
+        return store
+
+    def verify(self) -> None:
+        """Hash every file the manifest lists and refuse a missing file or a checksum mismatch."""
+        for name, want in self.manifest["files"].items():
+            f = self.path / name
+            if Path(name).name != name or not f.is_file():
+                raise GoldenError(f"golden file {f} listed in {MANIFEST} is missing; {_BUILD_HINT}")
+            got = sha256_file(f)
+            if got != want:
+                raise GoldenError(
+                    f"golden file {f}: sha256 {got} does not match {MANIFEST}'s {want}; the file was changed "
+                    f"or corrupted: restore it, or {_BUILD_HINT}"
+                )
+
+    # -- manifest views -------------------------------------------------------------------------------------
+    @property
+    def model_sha256(self) -> str | None:
+        """The sha256 of the checkpoint the goldens were computed from."""
+        return self.manifest["model_sha256"]
+
+    @property
+    def steps(self) -> int:
+        """Greedy steps recorded per prompt."""
+        return int(self.manifest.get("steps", 0))
+
+    @property
+    def prompts(self) -> list[GoldenPrompt]:
+        """Every prompt, in manifest order."""
+        return [
+            GoldenPrompt(p["name"], bytes(p["tokens"]) if max(p["tokens"]) < 256 else b"", tuple(p["tokens"]))
+            for p in self.manifest["prompts"]
+        ]
+
+    def prompt(self, name: str) -> GoldenPrompt:
+        """One prompt by name (``p00`` ...)."""
+        for p in self.prompts:
+            if p.name == name:
+                return p
+        names = ", ".join(p.name for p in self.prompts)
+        raise GoldenError(f"{self.path}: no prompt {name!r} (have: {names})")
+
+    # -- tensors --------------------------------------------------------------------------------------------
+    def keys(self, file: str) -> set[str]:
+        """Tensor keys of one file of the store."""
+        if file not in self._keys:
+            from safetensors import safe_open
+
+            with safe_open(self._file(file), framework="pt") as f:
+                self._keys[file] = set(f.keys())
+        return self._keys[file]
+
+    def _file(self, file: str) -> Path:
+        if file not in self.manifest["files"]:
+            listed = ", ".join(sorted(self.manifest["files"])) or "none"
+            raise GoldenError(
+                f"{self.path}: no file {file!r} in {MANIFEST} (files: {listed}); {_BUILD_HINT}"
+            )
+        return self.path / file
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        """One tensor, loaded on first use and cached (the store is read-only during a run)."""
+        if (file, key) not in self._cache:
+            from safetensors import safe_open
+
+            if key not in self.keys(file):
+                raise GoldenError(
+                    f"{self.path / file}: no tensor {key!r}; the goldens predate this check: {_BUILD_HINT}"
+                )
+            with safe_open(self._file(file), framework="pt") as f:
+                self._cache[(file, key)] = f.get_tensor(key)
+        return self._cache[(file, key)]
+
+    def input_ids(self, prompt: str) -> torch.Tensor:
+        """Teacher-forced sequence [Tf]: the prompt then the greedy continuation without its last token."""
+        return self.tensor("teacher.safetensors", f"{prompt}.input_ids")
+
+    def teacher_logits(self, prompt: str) -> torch.Tensor:
+        """Teacher-forced logits [Tf, V] over :meth:`input_ids`."""
+        return self.tensor("teacher.safetensors", f"{prompt}.logits")
+
+    def greedy_tokens(self, prompt: str) -> torch.Tensor:
+        """Greedy continuation [steps]."""
+        return self.tensor("greedy.safetensors", f"{prompt}.tokens")
+
+    def greedy_logits(self, prompt: str) -> torch.Tensor:
+        """Logits [steps, V] that chose each greedy token."""
+        return self.tensor("greedy.safetensors", f"{prompt}.logits")
+
+    def taps(self, prompt: str) -> dict[str, torch.Tensor]:
+        """Per-layer hidden states {"L.attn"/"L.ffn": [Tf, hc, D]}, in layer order."""
+        pre = f"{prompt}."
+        names = [k[len(pre):] for k in self.keys("taps.safetensors") if k.startswith(pre)]
+        names.sort(key=lambda n: (int(n.split(".")[0]), n.split(".")[1] != "attn"))
+        return {n: self.tensor("taps.safetensors", pre + n) for n in names}
+
+    def selections(self, prompt: str) -> dict[tuple[int, str], GoldenSelection]:
+        """Recorded sparse selections {(layer, "router"|"indexer"): GoldenSelection}."""
+        pre, out = f"{prompt}.", {}
+        for k in self.keys("selections.safetensors"):
+            if k.startswith(pre) and k.endswith(".indices"):
+                layer, kind = k[len(pre):-len(".indices")].split(".")
+                base = k[: -len(".indices")]
+                out[(int(layer), kind)] = GoldenSelection(
+                    self.tensor("selections.safetensors", k),
+                    self.tensor("selections.safetensors", base + ".margin"),
+                )
+        return dict(sorted(out.items()))
+
+
+class GoldenWriter:
+    """Write a store atomically: files go to a temporary sibling folder, renamed into place on success.
+
+    ::
+
+        with GoldenWriter(out_dir, regen=False) as w:
+            w.write("teacher.safetensors", {"p00.logits": logits})
+            w.manifest.update(model_sha256=sha, prompts=[...])
+
+    An existing non-empty ``out_dir`` is refused unless ``regen=True``; then it is swapped out only after
+    the new store is complete. On an exception nothing at ``out_dir`` changes.
+    """
+
+    def __init__(self, out_dir: str | Path, *, regen: bool = False) -> None:
+        self.out = Path(out_dir)
+        self.regen = regen
+        if self.out.exists() and not self.out.is_dir():
+            raise GoldenError(f"{self.out} exists and is not a folder")
+        if self.out.is_dir() and any(self.out.iterdir()) and not regen:
+            raise GoldenError(
+                f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
+                f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"
+            )
+        self.manifest: dict[str, Any] = {"format": FORMAT}
+        self._files: dict[str, str] = {}
+        self._tmp: Path | None = None
+
+    def __enter__(self) -> GoldenWriter:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        return self
+
+    def write(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one safetensors file (tensors are made contiguous and moved to the CPU)."""
+        from safetensors.torch import save_file
+
+        if self._tmp is None:
+            raise RuntimeError("GoldenWriter.write outside its `with` block")
+        if Path(filename).name != filename or filename == MANIFEST:
+            raise ValueError(f"bad golden file name {filename!r}")
+        path = self._tmp / filename
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        self._files[filename] = sha256_file(path)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._tmp is not None
+        if exc_type is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            return
+        try:
+            self._commit(self._tmp)
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+
+    def _commit(self, tmp: Path) -> None:
+        self.manifest["files"] = dict(sorted(self._files.items()))
+        mpath = tmp / MANIFEST
+        mpath.write_text(json.dumps(self.manifest, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
+        if not self.out.exists():
+            os.replace(tmp, self.out)
+            return
+        if not self.regen:  # someone wrote it meanwhile
+            raise GoldenError(f"goldens appeared at {self.out} while writing; refusing to overwrite them")
+        old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+        old.rmdir()
+        os.replace(self.out, old)
+        try:
+            os.replace(tmp, self.out)
+        except BaseException:
+            os.replace(old, self.out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _versions(model: Any) -> dict[str, str | None]:
+    def ver(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    top = type(model).__module__.split(".")[0]
+    engine = getattr(sys.modules.get(top), "__version__", None) or (
+        ver("pytest-cdna2") if top == "cdna2_engine" else None
+    )
+    return {"torch": torch.__version__, "triton": ver("triton"), "engine": f"{top} {engine or '?'}",
+            "pytest_cdna2": ver("pytest-cdna2"), "python": sys.version.split()[0]}
+
+
+def build_goldens(
+    model_dir: str | Path | None,
+    out_dir: str | Path,
+    prompts: Sequence[bytes | str] | None = None,
+    steps: int = 32,
+    *,
+    dtype: torch.dtype | str = torch.float64,
+    backend: str = "reference",
+    model: Any = None,
+    regen: bool = False,
+    tolerance_profile: str = "default",
+    seed: int = 0,
+    taps: bool = True,
+    progress: bool = True,
+) -> GoldenStore:
+    """Compute goldens with the reference engine and write them atomically; returns the opened store.
+
+    Per prompt: greedy ``generate`` for ``steps`` tokens (tokens + logits), then one teacher-forced
+    ``trace`` over prompt + continuation for logits, per-layer taps and sparse selections with margins.
+    ``model`` skips loading (a user's engine, or a model already loaded); else ``cdna2_engine.load_model``
+    loads ``model_dir`` on the CPU with ``backend`` and ``dtype``.
+    """
+    from tqdm import tqdm
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"unknown floating dtype {dtype!r}")
+    writer = GoldenWriter(out_dir, regen=regen)  # refuse an existing store before the slow part
+    if model is None:
+        import cdna2_engine
+
+        model = cdna2_engine.load_model(str(model_dir), device="cpu", backend=backend, dtype=dtype)
+    prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
+    if not prompts:
+        raise ValueError("no prompts")
+    cfg = model.config
+    vocab, layers = int(cfg.vocab_size), int(cfg.num_hidden_layers)
+    tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn")) if taps else ()
+    device = getattr(model, "device", "cpu")
+    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
+    torch.manual_seed(seed)
+
+    teacher: dict[str, torch.Tensor] = {}
+    greedy: dict[str, torch.Tensor] = {}
+    tapd: dict[str, torch.Tensor] = {}
+    sels: dict[str, torch.Tensor] = {}
+    entries = []
+    width = len(str(len(prompts) - 1))
+    with writer, torch.no_grad():
+        for i, text in enumerate(tqdm(prompts, desc="goldens", unit="prompt", disable=not progress)):
+            name = f"p{i:0{max(2, width)}d}"
+            ids = encode_prompt(text, vocab)
+            gen = model.generate(ids[None].to(device), steps)
+            toks = gen.tokens[0].detach().cpu().long()
+            seq = torch.cat([ids, toks[:-1]])
+            tr = model.trace(seq[None].to(device), taps=tap_names)
+            teacher[f"{name}.input_ids"] = seq
+            teacher[f"{name}.logits"] = tr.logits[0]
+            greedy[f"{name}.tokens"] = toks
+            greedy[f"{name}.logits"] = gen.logits[0]
+            for tap in tap_names:
+                tapd[f"{name}.{tap}"] = tr.taps[tap][0]
+            for (layer, kind), sel in (getattr(tr, "selections", None) or {}).items():
+                sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
+                sels[f"{name}.{layer}.{kind}.margin"] = sel.margin[0]
+            raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+            entries.append({"name": name, "text": raw.decode("utf-8", "replace"), "tokens": ids.tolist(),
+                            "seed": seed, "continuation": toks.tolist()})
+        writer.write("teacher.safetensors", teacher)
+        writer.write("greedy.safetensors", greedy)
+        if tapd:
+            writer.write("taps.safetensors", tapd)
+        if sels:
+            writer.write("selections.safetensors", sels)
+        writer.manifest.update(
+            model_sha256=sha,
+            model_dir=str(model_dir) if model_dir is not None else None,
+            backend=backend,
+            dtype=str(getattr(model, "dtype", dtype)).removeprefix("torch."),
+            device=str(device),
+            steps=steps,
+            seed=seed,
+            vocab_size=vocab,
+            num_hidden_layers=layers,
+            tolerance_profile=tolerance_profile,
+            versions=_versions(model),
+            prompts=entries,
+        )
+    return GoldenStore.open(out_dir, expected_model_sha256=sha)
+

@@ -1,0 +1,205 @@
+"""pytest-cdna2 plugin: options, markers, header, perf gating and the per-tier summary.
+
+Options live in the ``cdna2`` group of ``pytest --help``; each also reads from an ini key of the same name
+with underscores (``cdna2_device = 0`` in ``[tool.pytest.ini_options]``); the command line wins. Ini paths
+are relative to the ini file, command-line paths to the current directory.
+
+Perf gating: perf-marked tests are sorted last and skipped, with the failed test ids as the reason, when any
+other test of the session failed; on the CPU they are skipped. Under xdist the session is split over
+workers, so no worker can know that everything passed: perf tests are skipped there with a reason saying
+to run them without ``-n``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pytest_cdna2 import devices
+from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by being names of this module)
+    REGENERATED,
+    SETTINGS,
+    Settings,
+    cdna2_device,
+    cdna2_devices,
+    cdna2_engine,
+    cdna2_golden,
+    cdna2_record,
+    cdna2_settings,
+    cdna2_tolerance,
+)
+from pytest_cdna2.report import TIERS, PerfGate, TierTally
+from pytest_cdna2.tolerance import ToleranceError, load_profile
+
+BUNDLED = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
+DEFAULT_MODEL = BUNDLED / "model"
+DEFAULT_GOLDENS = BUNDLED / "goldens"
+BACKENDS = ("reference", "triton")
+MARKERS = {
+    "weight": "weight tier: packed FP8/FP4 tensors decode identically in the engine and independent decoders",
+    "kernel": "kernel tier: each op of the backend against float64 on random inputs",
+    "token": "token tier: teacher-forced logits and greedy continuations against the goldens",
+    "determinism": "determinism tier: repeat, batch, incremental and device-vs-device agreement",
+    "isa": "isa tier: kernels compile for gfx90a and sm_90 without spills or LDS overflow",
+    "perf": "perf tier: benchmarks, run only after every other test of the session passed",
+}
+_GATE = pytest.StashKey[PerfGate]()
+_TALLY = pytest.StashKey[TierTally]()
+
+# (option, ini type, help)
+_OPTIONS = [
+    ("device", "string", "device(s): cpu, N, N,M or all (default: first GPU, else cpu); xdist pins worker "
+     "gwK to the K-th mod count"),
+    ("model", "string", "checkpoint folder, official DeepSeek-V4 layout (default: the bundled tiny-v4)"),
+    ("goldens", "string", "golden store folder (default: the bundled tiny-v4 goldens)"),
+    ("backend", "string", "engine backend: reference or triton (default: reference)"),
+    ("tolerance", "string", "tolerance profile TOML; its keys override the bundled default profile"),
+    ("engine", "string", "bundled, or module:factory for your own engine: factory(path, device=, backend=)"),
+    ("regen-goldens", "bool", "rebuild the goldens with the float64 reference; fails the run that does it"),
+    ("perf-on-cpu", "bool", "let perf tests run on the CPU (to exercise the gating; numbers mean nothing)"),
+]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cdna2", "DeepSeek-V4 FP4/FP8 conformance (pytest-cdna2)")
+    for name, kind, help_ in _OPTIONS:
+        dest = "cdna2_" + name.replace("-", "_")
+        if kind == "bool":
+            group.addoption(f"--cdna2-{name}", action="store_true", default=None, dest=dest, help=help_)
+        else:
+            group.addoption(f"--cdna2-{name}", action="store", default=None, dest=dest, metavar=name.upper(),
+                            help=help_)
+        parser.addini(dest, help_, type=kind, default=False if kind == "bool" else None)
+
+
+def _opt(config: pytest.Config, name: str) -> tuple[object, str]:
+    """(value, source): the command line wins over the ini file; source is "cli", "ini" or "default"."""
+    dest = "cdna2_" + name.replace("-", "_")
+    value = config.getoption(dest)
+    if value is not None:
+        return value, "cli"
+    ini = config.getini(dest)
+    if ini not in (None, "", False):
+        return ini, "ini"
+    return None, "default"
+
+
+def _path(config: pytest.Config, value: object, source: str) -> Path:
+    p = Path(str(value)).expanduser()
+    if not p.is_absolute():
+        base = config.inipath.parent if source == "ini" and config.inipath else config.invocation_params.dir
+        p = base / p
+    return p.resolve()
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    """Turn options into :class:`Settings`; any bad value is a ``pytest.UsageError``."""
+    dev_spec, _ = _opt(config, "device")
+    selected = devices.parse_device_spec(str(dev_spec) if dev_spec is not None else None)
+    device = devices.pick_for_worker(selected, devices.worker_index())
+
+    model_v, model_src = _opt(config, "model")
+    model = DEFAULT_MODEL if model_v is None else _path(config, model_v, model_src)
+    if model_v is not None and not model.exists():
+        raise pytest.UsageError(f"--cdna2-model: {model} does not exist")
+    gold_v, gold_src = _opt(config, "goldens")
+    goldens = DEFAULT_GOLDENS if gold_v is None else _path(config, gold_v, gold_src)
+    regen = bool(_opt(config, "regen-goldens")[0])
+    if gold_v is not None and not goldens.exists() and not regen:
+        raise pytest.UsageError(
+            f"--cdna2-goldens: {goldens} does not exist (build it with `cdna2 goldens build` or "
+            "--cdna2-regen-goldens)"
+        )
+    if regen and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
+        raise pytest.UsageError("--cdna2-regen-goldens cannot run under xdist (-n): run it in one process")
+
+    backend = str(_opt(config, "backend")[0] or "reference")
+    if backend not in BACKENDS:
+        raise pytest.UsageError(f"--cdna2-backend={backend}: expected one of {', '.join(BACKENDS)}")
+    engine = str(_opt(config, "engine")[0] or "bundled")
+    if engine != "bundled" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", engine):
+        raise pytest.UsageError(f"--cdna2-engine={engine}: expected bundled or module:factory")
+
+    tol_v, tol_src = _opt(config, "tolerance")
+    try:
+        profile = load_profile(None if tol_v is None else _path(config, tol_v, tol_src))
+    except ToleranceError as e:
+        raise pytest.UsageError(f"--cdna2-tolerance: {e}") from None
+    return Settings(tuple(selected), device, model, model_v is None, goldens, backend, engine, profile, regen,
+                    bool(_opt(config, "perf-on-cpu")[0]))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    settings = resolve_settings(config)
+    config.stash[SETTINGS] = settings
+    config.stash[_GATE] = PerfGate()
+    config.stash[_TALLY] = TierTally()
+    config.pluginmanager.register(_Recorder(config.stash[_GATE], config.stash[_TALLY]), "cdna2-recorder")
+    if settings.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(settings.device))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    s = config.stash[SETTINGS]
+    lines = [f"cdna2 device: {devices.describe(d).line()}" for d in s.devices]
+    if len(s.devices) > 1:
+        lines.append(f"cdna2: xdist workers pinned round-robin over {', '.join(s.devices)}")
+    missing = "" if s.model.exists() else " (missing)"
+    lines.append(f"cdna2 engine: {s.engine} backend={s.backend} model={s.model}{missing}")
+    lines.append(f"cdna2 goldens: {s.goldens}  tolerance: {s.tolerance.name} ({s.tolerance.path})")
+    return lines
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("perf") is not None)  # stable: perf last
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("perf") is None:
+        return
+    s = item.config.stash[SETTINGS]
+    reason = item.config.stash[_GATE].skip_reason(
+        device=s.device, xdist_worker=hasattr(item.config, "workerinput"), perf_on_cpu=s.perf_on_cpu
+    )
+    if reason:
+        pytest.skip(reason)
+
+
+class _Recorder:
+    """Registered per session: sees every test report (under xdist, the workers' too, in the controller)."""
+
+    def __init__(self, gate: PerfGate, tally: TierTally) -> None:
+        self.gate, self.tally = gate, tally
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.gate.record(report)
+        self.tally.add(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if REGENERATED in session.config.stash and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    lines = config.stash[_TALLY].lines()
+    regenerated = config.stash.get(REGENERATED, None)
+    if not lines and not regenerated:
+        return
+    terminalreporter.section("cdna2 summary")
+    for line in lines:
+        terminalreporter.write_line(line)
+    if regenerated:
+        terminalreporter.write_line(
+            f"goldens were rewritten at {regenerated}: the run fails; rerun without --cdna2-regen-goldens",
+            red=True,
+        )
+
+
+__all__ = ["BUNDLED", "DEFAULT_MODEL", "DEFAULT_GOLDENS", "MARKERS", "TIERS", "resolve_settings"]

@@ -1,0 +1,189 @@
+"""Session bookkeeping behind the hooks: recorded metrics, the perf gate, and the per-tier summary.
+
+Metrics travel as ``item.user_properties`` entries ``("cdna2_metric", {...})``: pytest copies them into
+every report, xdist ships them from the workers to the controller, and JUnit XML writes them out as
+``<property>`` elements, so the summary works the same in every mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "TIERS",
+    "METRIC_PROPERTY",
+    "record_metric",
+    "Metric",
+    "PerfGate",
+    "TierTally",
+]
+
+TIERS = ("weight", "kernel", "token", "determinism", "isa", "perf")
+METRIC_PROPERTY = "cdna2_metric"
+
+
+def record_metric(
+    item: pytest.Item,
+    metric: str,
+    value: float,
+    limit: float,
+    *,
+    higher_is_better: bool = False,
+    what: str = "",
+) -> bool:
+    """Append one metric to ``item.user_properties``; returns whether it is within its limit."""
+    value, limit = float(value), float(limit)
+    ok = value >= limit if higher_is_better else value <= limit
+    item.user_properties.append(
+        (
+            METRIC_PROPERTY,
+            {"metric": metric, "value": value, "limit": limit,
+             "op": ">=" if higher_is_better else "<=", "what": what, "ok": bool(ok)},
+        )
+    )
+    return bool(ok)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One recorded metric, as read back from a report."""
+
+    nodeid: str
+    metric: str
+    value: float
+    limit: float
+    op: str
+    what: str
+
+    @property
+    def ok(self) -> bool:
+        """Within the limit (NaN never is)."""
+        return self.value >= self.limit if self.op == ">=" else self.value <= self.limit
+
+    def worse_than(self, other: Metric) -> bool:
+        """Further from (or beyond) the limit than ``other``: higher for ``<=`` limits, lower for ``>=``."""
+        if math.isnan(self.value):
+            return not math.isnan(other.value)
+        if math.isnan(other.value):
+            return False
+        return self.value < other.value if self.op == ">=" else self.value > other.value
+
+    def line(self) -> str:
+        """``kl_max 2.100e-02 (limit <= 1.000e-03, FAIL) in <nodeid> [what]``."""
+        verdict = "ok" if self.ok else "FAIL"
+        where = f" [{self.what}]" if self.what else ""
+        return (
+            f"{self.metric} {self.value:.3e} (limit {self.op} {self.limit:.3e}, {verdict}) "
+            f"in {self.nodeid}{where}"
+        )
+
+
+def metrics_of(nodeid: str, user_properties: Iterable[Any]) -> list[Metric]:
+    """The cdna2 metrics among a report's user properties."""
+    out = []
+    for prop in user_properties:
+        if len(prop) == 2 and prop[0] == METRIC_PROPERTY and isinstance(prop[1], dict):
+            d = prop[1]
+            op, what = d.get("op", "<="), d.get("what", "")
+            out.append(Metric(nodeid, d["metric"], d["value"], d["limit"], op, what))
+    return out
+
+
+def tier_of(keywords: Iterable[str]) -> str | None:
+    """The first tier marker among a test's keywords, or None for an untiered test."""
+    kw = set(keywords)
+    return next((t for t in TIERS if t in kw), None)
+
+
+class PerfGate:
+    """Perf tests run last and only when every other test of the session passed (or skipped)."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def record(self, report: pytest.TestReport) -> None:
+        """Remember a failed non-perf test (any phase)."""
+        if report.failed and "perf" not in report.keywords and report.nodeid not in self.failed:
+            self.failed.append(report.nodeid)
+
+    def skip_reason(self, *, device: str, xdist_worker: bool, perf_on_cpu: bool) -> str | None:
+        """Why a perf test must not run now, or None when it may."""
+        if xdist_worker:
+            return (
+                "cdna2 perf: gated on the whole session, which xdist splits over workers; run the perf "
+                "tier without -n (e.g. `pytest -m perf -p no:xdist`) after the correctness run"
+            )
+        if self.failed:
+            shown = ", ".join(self.failed[:10])
+            if len(self.failed) > 10:
+                shown += f", ... ({len(self.failed)} in all)"
+            return f"cdna2 perf: skipped because {len(self.failed)} correctness test(s) failed: {shown}"
+        if device == "cpu" and not perf_on_cpu:
+            return "cdna2 perf: the device is the CPU; perf numbers need a GPU (--cdna2-device=N)"
+        return None
+
+
+@dataclass
+class _Outcome:
+    tier: str | None
+    outcome: str = "passed"
+    metrics: list[Metric] = field(default_factory=list)
+    reason: str = ""
+
+
+class TierTally:
+    """Final outcome and metrics of every test, from its reports; renders the per-tier summary."""
+
+    def __init__(self) -> None:
+        self.tests: dict[str, _Outcome] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        """Fold one phase report (setup/call/teardown) into its test's final outcome."""
+        t = self.tests.setdefault(report.nodeid, _Outcome(tier_of(report.keywords)))
+        if report.failed:
+            t.outcome = "failed"
+        elif report.skipped and t.outcome != "failed":
+            t.outcome = "skipped"
+            if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+                t.reason = str(report.longrepr[2])
+        metrics = metrics_of(report.nodeid, report.user_properties)
+        if len(metrics) >= len(t.metrics):  # later phases carry everything recorded so far
+            t.metrics = metrics
+
+    def counts(self, tier: str) -> dict[str, int]:
+        """{"passed": n, "failed": n, "skipped": n} for one tier."""
+        c = {"passed": 0, "failed": 0, "skipped": 0}
+        for t in self.tests.values():
+            if t.tier == tier:
+                c[t.outcome] += 1
+        return c
+
+    def worst(self, tier: str) -> list[Metric]:
+        """The worst value of each metric name recorded in ``tier``, worst-first by failure."""
+        best: dict[str, Metric] = {}
+        for t in self.tests.values():
+            if t.tier != tier:
+                continue
+            for m in t.metrics:
+                if m.metric not in best or m.worse_than(best[m.metric]):
+                    best[m.metric] = m
+        return sorted(best.values(), key=lambda m: (m.ok, m.metric))
+
+    def lines(self) -> list[str]:
+        """The summary: one line per tier that ran, then its worst metrics indented."""
+        out = []
+        for tier in TIERS:
+            c = self.counts(tier)
+            if not any(c.values()):
+                continue
+            out.append(f"{tier:<12} {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+            if tier == "perf" and c["skipped"]:
+                reasons = {t.reason for t in self.tests.values() if t.tier == "perf" and t.reason}
+                out += [f"    {r}" for r in sorted(reasons)]
+            out += [f"    worst {m.line()}" for m in self.worst(tier)]
+        return out
