@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import sys
@@ -476,7 +477,8 @@ def build_goldens(
                 tapd[f"{name}.{tap}"] = tr.taps[tap][0]
             for (layer, kind), sel in (getattr(tr, "selections", None) or {}).items():
                 sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
-                sels[f"{name}.{layer}.{kind}.margin"] = sel.margin[0]
+                margin = sel.margin if sel.margin is not None else torch.full(sel.indices.shape[:2], math.inf)
+                sels[f"{name}.{layer}.{kind}.margin"] = margin[0]
             raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
             entries.append({"name": name, "text": raw.decode("utf-8", "replace"), "tokens": ids.tolist(),
                             "seed": seed, "continuation": toks.tolist()})

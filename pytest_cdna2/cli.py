@@ -1,0 +1,131 @@
+"""``cdna2`` console script: convert checkpoints, build and verify goldens, list devices.
+
+Exit codes: 0 success; 1 a check ran and failed (``goldens verify`` found a bad file); 2 bad input (missing
+folders, bad arguments, an existing store without ``--regen``), always with one ``cdna2: error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_cdna2 import devices, goldens
+
+__all__ = ["main", "build_parser"]
+
+
+class _Fail(Exception):
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _existing_dir(path: str, what: str) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise _Fail(f"{what} {p} is not a folder")
+    return p
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """transformers ``save_pretrained`` V4 checkpoint -> official layout (the engine does the work)."""
+    import cdna2_engine
+
+    src = _existing_dir(args.hf, "--hf")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise _Fail(f"--out {out} exists and is not empty; choose a new folder")
+    cdna2_engine.convert_hf_checkpoint(str(src), str(out))
+    print(f"converted {src} -> {out}")
+    return 0
+
+
+def cmd_goldens_build(args: argparse.Namespace) -> int:
+    """Compute goldens with the reference engine (float64 by default) into ``--out``."""
+    model = _existing_dir(args.model, "--model")
+    if args.steps < 1:
+        raise _Fail(f"--steps must be >= 1, got {args.steps}")
+    prompts = goldens.load_prompts(args.prompts) if args.prompts else None
+    store = goldens.build_goldens(
+        model, args.out, prompts, args.steps, dtype=args.dtype, backend=args.backend, regen=args.regen,
+        progress=not args.quiet,
+    )
+    files = ", ".join(store.manifest["files"])
+    print(f"wrote {len(store.prompts)} prompts x {store.steps} steps to {store.path} ({files})")
+    return 0
+
+
+def cmd_goldens_verify(args: argparse.Namespace) -> int:
+    """Verify every checksum of a store (and its model, with ``--model``)."""
+    sha = None
+    if args.model:
+        import cdna2_engine
+
+        sha = cdna2_engine.load_model(str(_existing_dir(args.model, "--model"))).checkpoint_sha256()
+    try:
+        store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha)
+    except goldens.GoldenError as e:
+        if not Path(args.dir, goldens.MANIFEST).is_file():
+            raise _Fail(str(e)) from None
+        raise _Fail(str(e), code=1) from None
+    print(f"ok: {store.path}: {len(store.manifest['files'])} files verified, {len(store.prompts)} prompts, "
+          f"model sha256 {store.model_sha256}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Every device torch sees, as the pytest header shows them."""
+    for d in devices.list_devices():
+        print(d.line())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree (exposed for tests and docs)."""
+    p = argparse.ArgumentParser(prog="cdna2", description="pytest-cdna2 tools: checkpoints, goldens, devices")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a transformers V4 checkpoint to the official layout")
+    c.add_argument("--hf", required=True, metavar="SRC", help="transformers save_pretrained folder")
+    c.add_argument("--out", required=True, metavar="DST", help="new folder for the official layout")
+    c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser("goldens", help="build or verify a golden store")
+    gsub = g.add_subparsers(dest="goldens_command", required=True, metavar="ACTION")
+    b = gsub.add_parser("build", help="compute goldens with the reference engine")
+    b.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
+    b.add_argument("--out", required=True, metavar="DIR", help="golden store folder to create")
+    b.add_argument("--prompts", metavar="FILE", help="JSON list of strings, or one prompt per line")
+    b.add_argument("--steps", type=int, default=32, metavar="N", help="greedy steps per prompt (default 32)")
+    b.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="reference dtype")
+    b.add_argument("--backend", default="reference", choices=("reference", "triton"), help=argparse.SUPPRESS)
+    b.add_argument("--regen", action="store_true", help="replace an existing store at --out")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_goldens_build)
+    v = gsub.add_parser("verify", help="check every checksum of a golden store")
+    v.add_argument("dir", metavar="DIR")
+    v.add_argument("--model", metavar="DIR", help="also check the store was built for this checkpoint")
+    v.set_defaults(func=cmd_goldens_verify)
+
+    i = sub.add_parser("info", help="list devices (name, arch, wave size, memory, runtime)")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cdna2`` script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except _Fail as e:
+        print(f"cdna2: error: {e}", file=sys.stderr)
+        return e.code
+    except (goldens.GoldenError, ValueError, FileNotFoundError) as e:
+        print(f"cdna2: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
