@@ -364,3 +364,52 @@ def index_scores_kernel(
     w = tl.load(w_ptr + b * stride_wb + s_idx * stride_ws + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     sc = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
     tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_t, sc, mask=t_ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# ISA compile specs (pytest_cdna2/isa.py compiles each ahead of time for gfx90a and sm_90). One entry per
+# kernel at representative V4-Flash tiles; `matmul` says whether the kernel must contain MFMA (v_mfma).
+
+
+def _sig(names: str, types: str, **const: object) -> tuple[dict[str, str], dict[str, object]]:
+    """Signature dict from parallel space-separated lists; constexpr names given as keywords."""
+    sig = dict(zip(names.split(), types.split(), strict=True))
+    sig.update({k: "constexpr" for k in const})
+    return sig, dict(const)
+
+
+_FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym stride_yg",
+             "*bf16 *u8 *u8 *bf16 i32 i32 i32 i32 i32 i32 i32 i32 i32")
+_MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr I D limit "
+           "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
+           "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
+_MOE_DOWN = ("h_ptr w2_ptr s2_ptr c_ptr pair_id_ptr pair_w_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr D I "
+             "stride_hp stride_we stride_wn stride_se stride_sn stride_cp",
+             "*fp32 *u8 *u8 *fp32 *i32 *fp32 *i32 *i32 *i32 i32 i32 i32 i32 i32 i32 i32 i32")
+_ATTN = ("q_ptr kv_ptr sink_ptr mask_ptr o_ptr S H L D scale stride_qb stride_qs stride_qh stride_kb "
+         "stride_kl stride_mb stride_ms stride_ob stride_os stride_oh",
+         "*bf16 *bf16 *fp32 *u8 *bf16 i32 i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32")
+_IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh stride_kb stride_kt stride_wb "
+        "stride_ws stride_ob stride_os",
+        "*bf16 *bf16 *bf16 *fp32 i32 i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32")
+
+# (name, kernel, (signature, constexprs), num_warps, matmul)
+ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
+    ("fp8_gemv", fp8_gemv_kernel, _sig(*_FP8_ARGS, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128), 4, False),
+    ("fp8_matmul", fp8_matmul_kernel,
+     _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, True),
+    ("moe_gate_up", moe_gate_up_kernel,
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8), 4, False),
+    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8), 4, False),
+    ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
+    ("rms_norm", rms_norm_kernel,
+     _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
+          HAS_W=True, BLOCK_D=4096), 4, False),
+    ("rope", rope_kernel,
+     _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp32 *fp32 *bf16 i32 i32 i32 fp32",
+          BLOCK_H=64, BLOCK_D=512, BLOCK_R=32), 4, False),
+    ("attention", attention_kernel,
+     _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False), 8, True),
+    ("index_scores", index_scores_kernel,
+     _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
+]
