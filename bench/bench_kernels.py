@@ -86,15 +86,14 @@ def time_ms(fn, args_list, reps: int = 200, warmup: int = 10) -> float:
         fn(*a)
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
 def copy_tbps() -> float:
     n = 1 << 31  # 2 GiB each way
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV, generator=GEN)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), [()], reps=30, warmup=3)
-    del src, dst
+    ms = time_ms(lambda a, b: b.copy_(a), [(src, dst)], reps=30, warmup=3)
     return 2 * n / (ms * 1e-3) / 1e12
 
 
@@ -141,12 +140,13 @@ def correctness(results: dict) -> None:
         sink = torch.randn(HEADS, device=DEV, generator=GEN)
         mask = torch.rand(2, s, ln, device=DEV, generator=GEN) > 0.2
         sc = HEAD_DIM**-0.5
-        check(results, f"attention S={s} L={ln}",
-              rel(tri.attention(q, kv, sink, mask, sc), ref.attention(q.double(), kv.double(), sink.double(), mask, sc)))
+        want = ref.attention(q.double(), kv.double(), sink.double(), mask, sc)
+        check(results, f"attention S={s} L={ln}", rel(tri.attention(q, kv, sink, mask, sc), want))
     q = torch.randn(1, 9, 64, 128, device=DEV, dtype=bf, generator=GEN)
     k = torch.randn(1, 777, 128, device=DEV, dtype=bf, generator=GEN)
     wi = torch.randn(1, 9, 64, device=DEV, dtype=bf, generator=GEN)
-    check(results, "index_scores T=777", rel(tri.index_scores(q, k, wi, 0.1), ref.index_scores(q.double(), k.double(), wi.double(), 0.1)))
+    want = ref.index_scores(q.double(), k.double(), wi.double(), 0.1)
+    check(results, "index_scores T=777", rel(tri.index_scores(q, k, wi, 0.1), want))
 
 
 def moe_bench(results: dict, copy: float, sweep: bool) -> None:
@@ -209,7 +209,7 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     for cfg in configs:
         tri.FP8_GEMV.update(cfg)
         try:
-            ms = time_ms(tri.linear, list(zip(xs, ws)))
+            ms = time_ms(tri.linear, list(zip(xs, ws, strict=True)))
         except Exception as exc:
             print(f"fp8 cfg {cfg} failed: {exc!r}"[:300])
             continue
@@ -225,13 +225,13 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     kg = HEADS * HEAD_DIM // O_GROUPS
     wos = [fp8_weight(O_GROUPS * O_LORA, kg) for _ in range(4)]
     xo = [torch.randn(1, O_GROUPS, kg, device=DEV, dtype=torch.bfloat16, generator=GEN) for _ in range(4)]
-    ms = time_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos)))
+    ms = time_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos, strict=True)))
     nb = wos[0].nbytes() + O_GROUPS * kg * 2 + O_GROUPS * O_LORA * 2
     results["fp8_linear"]["wo_a_grouped_M1"] = {"us": ms * 1e3, "bytes_MB": nb / 1e6,
                                                 "frac": nb / (ms * 1e-3) / 1e12 / copy}
     print(f"fp8 wo_a grouped M=1 {ms*1e3:.1f} us frac={results['fp8_linear']['wo_a_grouped_M1']['frac']:.3f}")
     x64 = [torch.randn(64, Q_LORA, device=DEV, dtype=torch.bfloat16, generator=GEN) for _ in range(8)]
-    ms = time_ms(tri.linear, list(zip(x64, ws)))
+    ms = time_ms(tri.linear, list(zip(x64, ws, strict=True)))
     flops = 2 * 64 * Q_LORA * HEADS * HEAD_DIM
     results["fp8_linear"]["wq_b_M64"] = {"us": ms * 1e3, "TFLOPs": flops / (ms * 1e-3) / 1e12,
                                          "frac_of_copy": (ws[0].nbytes() + 64 * (Q_LORA + HEADS * HEAD_DIM) * 2)
