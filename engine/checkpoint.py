@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import formats
-from .config import Config
+from .config import QUANTIZATION_CONFIG, Config
 from .ops import QWeight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,6 +36,7 @@ class Spec:
     hf: str  # transformers name (experts: the stacked parameter it is part of)
     shape: tuple[int, ...]
     kind: str  # fp8 | mxfp4 | bf16 | fp32 | int32
+    linear: bool = False  # a matmul weight (held as QWeight), whatever its storage kind
 
 
 def tensor_specs(cfg: Config) -> list[Spec]:
@@ -44,7 +46,7 @@ def tensor_specs(cfg: Config) -> list[Spec]:
     hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
     s = [
         Spec("embed.weight", "model.embed_tokens.weight", (cfg.vocab_size, D), "bf16"),
-        Spec("head.weight", "lm_head.weight", (cfg.vocab_size, D), "bf16"),
+        Spec("head.weight", "lm_head.weight", (cfg.vocab_size, D), "bf16", True),
         Spec("norm.weight", "model.norm.weight", (D,), "bf16"),
         Spec("hc_head_fn", "model.hc_head.hc_fn", (hc, hc * D), "fp32"),
         Spec("hc_head_base", "model.hc_head.hc_base", (hc,), "fp32"),
@@ -82,11 +84,11 @@ def tensor_specs(cfg: Config) -> list[Spec]:
             Hi, Di = cfg.index_n_heads, cfg.index_head_dim
             s += [
                 Spec(ix + "wq_b.weight", hx + "q_b_proj.weight", (Hi * Di, cfg.q_lora_rank), "fp8"),
-                Spec(ix + "weights_proj.weight", hx + "scorer.weights_proj.weight", (Hi, D), "bf16"),
+                Spec(ix + "weights_proj.weight", hx + "scorer.weights_proj.weight", (Hi, D), "bf16", True),
             ]
             s += _compressor_specs(ix + "compressor.", hx, ratio, Di, D)
         f, hf = o + "ffn.", h + "mlp."
-        s.append(Spec(f + "gate.weight", hf + "gate.weight", (E, D), "bf16"))
+        s.append(Spec(f + "gate.weight", hf + "gate.weight", (E, D), "bf16", True))
         if cfg.is_hash_layer(i):
             s.append(Spec(f + "gate.tid2eid", hf + "gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "int32"))
         else:
@@ -110,8 +112,8 @@ def _compressor_specs(o: str, h: str, ratio: int, d: int, D: int) -> list[Spec]:
     c = 2 * d if ratio == 4 else d  # CSA's overlapping windows carry two series (Ca, Cb)
     return [
         Spec(o + "ape", h + "position_bias", (ratio, c), "fp32"),
-        Spec(o + "wkv.weight", h + "kv_proj.weight", (c, D), "bf16"),
-        Spec(o + "wgate.weight", h + "gate_proj.weight", (c, D), "bf16"),
+        Spec(o + "wkv.weight", h + "kv_proj.weight", (c, D), "bf16", True),
+        Spec(o + "wgate.weight", h + "gate_proj.weight", (c, D), "bf16", True),
         Spec(o + "norm.weight", h + "kv_norm.weight", (d,), "bf16"),
     ]
 
@@ -142,6 +144,7 @@ class _Files:
                 raise CheckpointError(f"{folder}: no *.safetensors files: point at a checkpoint folder")
             weight_map = None
         self.handles, self.where = {}, {}
+        self.names: dict[str, tuple[str, object]] = {}  # official name -> (file key, stacked slice)
         for name in files:
             path = folder / name
             if not path.exists():
@@ -150,7 +153,8 @@ class _Files:
                 h = safe_open(str(path), framework="pt")
                 keys = list(h.keys())
             except (SafetensorError, OSError, ValueError) as e:
-                raise CheckpointError(f"{path}: unreadable safetensors ({e}): the file is truncated or corrupt") from None
+                raise CheckpointError(f"{path}: unreadable safetensors ({e}): the file is truncated or corrupt") \
+                    from None
             self.handles[name] = h
             for k in keys:
                 self.where[k] = name
@@ -173,6 +177,68 @@ class _Files:
         return self.folder / self.where[key]
 
 
+# transformers' renaming of official keys (its conversion_mapping for deepseek_v4), in order. A
+# `save_pretrained` folder holds keys at any stage of it (5.23 writes a half-reversed mix such as
+# `head.weight` beside `model.embed_tokens.weight`), so every file key is pushed through these rules and
+# then looked up among the transformers names of tensor_specs.
+_HF_RULES = [(re.compile(a), b) for a, b in [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"), (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]]
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$")
+_STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _hf_name(key: str) -> str:
+    k = key.removeprefix("model.")
+    for pat, rep in _HF_RULES:
+        k = pat.sub(rep, k)
+    return k
+
+
+def _resolve(keys: set[str], specs: list[Spec], cfg: Config) -> dict[str, tuple[str, object]]:
+    """{official name: (file key, slice of a stacked tensor or None)} for every key found in the files.
+    Scale keys (.scale, .weight_scale_inv) resolve to '<official base>.scale'."""
+    official = {sp.name for sp in specs}
+    by_hf = {sp.hf.removeprefix("model."): sp.name for sp in specs if ".experts." not in sp.name
+             or ".shared_experts." in sp.name}
+    out: dict[str, tuple[str, object]] = {}
+    I = cfg.moe_intermediate_size
+    for key in keys:
+        base, suffix = key, ""
+        for s in (".weight_scale_inv", ".scale"):
+            if key.endswith(s) and key.removesuffix(s) + ".weight" in keys:  # not hc's `attn_hc.scale`
+                base, suffix = key.removesuffix(s) + ".weight", ".scale"
+        bare = base.removeprefix("model.")
+        if bare in official:
+            name = bare
+        else:
+            h = _hf_name(bare)
+            if m := _EXPERT.match(h):
+                name = f"layers.{m[1]}.ffn.experts.{m[2]}.{m[3]}.weight"
+            elif (m := _STACKED.match(h)) and not suffix:
+                for e in range(cfg.n_routed_experts):
+                    parts = {"w1": slice(0, I), "w3": slice(I, 2 * I)} if m[2] == "gate_up_proj" else {"w2": None}
+                    for w, sl in parts.items():
+                        out[f"layers.{m[1]}.ffn.experts.{e}.{w}.weight"] = (key, (e, sl))
+                continue
+            else:
+                name = by_hf.get(h, key)  # unknown keys stay as they are and are reported as unexpected
+        out[name.removesuffix(".weight") + ".scale" if suffix else name] = (key, None)
+    return out
+
+
 def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config, dict[str, object]]:
     """Read a checkpoint folder (official or transformers layout, one file or shards) into
     {official key: QWeight | Tensor}: linears as QWeight (packed stays packed), the rest as tensors.
@@ -182,130 +248,99 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
         raise CheckpointError(f"{folder}: not a folder: pass the checkpoint directory holding config.json")
     cfg = cfg or Config.load(folder)
     files = _Files(folder)
-    keys = files.keys()
     specs = tensor_specs(cfg)
-    if any(k.startswith("model.") for k in keys) or "lm_head.weight" in keys:
-        return cfg, _read_hf(files, specs, cfg)
+    files.names = _resolve(files.keys(), specs, cfg)
     out: dict[str, object] = {}
     expected = set()
     for sp in specs:
         expected.add(sp.name)
         if sp.kind in ("fp8", "mxfp4"):
-            scale_key = _scale_key(sp.name, keys)
-            if scale_key:
-                expected.add(scale_key)
-            out[sp.name] = _read_linear(files, sp, scale_key)
+            scale_key = sp.name.removesuffix(".weight") + ".scale"
+            expected.add(scale_key)
+            out[sp.name] = _read_linear(files, sp, scale_key if scale_key in files.names else None)
         else:
-            out[sp.name] = _read_plain(files, sp)
-    unexpected = sorted(k for k in keys - expected if not k.startswith("mtp."))
+            t = _read_plain(files, sp)
+            out[sp.name] = QWeight(t, None, "dense") if sp.linear else t
+    unexpected = sorted(n for n in set(files.names) - expected if not files.names[n][0].startswith("mtp."))
     if unexpected:
-        k = unexpected[0]
+        k = files.names[unexpected[0]][0]
         raise CheckpointError(
             f"{files.file_of(k)}: unexpected key {k} ({len(unexpected)} in all): the config.json does not match "
             f"these weights (check num_hidden_layers, compress_ratios, num_hash_layers, n_routed_experts)")
     return cfg, out
 
 
-def _scale_key(name: str, keys: set[str]) -> str | None:
-    base = name.removesuffix(".weight")
-    for cand in (base + ".scale", base + ".weight_scale_inv"):
-        if cand in keys:
-            return cand
-    return None
-
-
-def _need(files: _Files, key: str) -> torch.Tensor:
-    if key not in files.where:
-        raise CheckpointError(f"{files.folder}: missing key {key}: the checkpoint is incomplete or its config.json "
+def _need(files: _Files, name: str) -> torch.Tensor:
+    if name not in files.names:
+        raise CheckpointError(f"{files.folder}: missing key {name}: the checkpoint is incomplete or its config.json "
                               "describes another model")
-    return files.get(key)
+    key, part = files.names[name]
+    t = files.get(key)
+    if part is not None:
+        e, sl = part
+        t = t[e] if sl is None else t[e, sl]
+    return t
 
 
-def _check_finite(files: _Files, key: str, t: torch.Tensor) -> None:
+def _where(files: _Files, name: str) -> str:
+    key = files.names[name][0]
+    return f"{files.file_of(key)}: key {key}"
+
+
+def _check_finite(files: _Files, name: str, t: torch.Tensor) -> None:
     if t.is_floating_point() and t.dtype.itemsize > 1 and not torch.isfinite(t).all():
-        raise CheckpointError(f"{files.file_of(key)}: key {key} has non-finite values: the weights are corrupt")
+        raise CheckpointError(f"{_where(files, name)} has non-finite values: the weights are corrupt")
 
 
 def _read_plain(files: _Files, sp: Spec) -> torch.Tensor:
     t = _need(files, sp.name)
     if tuple(t.shape) != sp.shape:
-        raise CheckpointError(f"{files.file_of(sp.name)}: key {sp.name} has shape {tuple(t.shape)}, config implies "
-                              f"{sp.shape}: the config.json does not match these weights")
+        raise CheckpointError(f"{_where(files, sp.name)} has shape {tuple(t.shape)}, config implies {sp.shape}: "
+                              "the config.json does not match these weights")
     if t.dtype not in _DTYPES[sp.kind]:
-        raise CheckpointError(f"{files.file_of(sp.name)}: key {sp.name} has dtype {t.dtype}, expected "
-                              f"{_DTYPES[sp.kind][0]}")
+        raise CheckpointError(f"{_where(files, sp.name)} has dtype {t.dtype}, expected {_DTYPES[sp.kind][0]}")
     _check_finite(files, sp.name, t)
-    return t
+    return t.to(torch.int32) if sp.kind == "int32" else t
 
 
 def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
     t = _need(files, sp.name)
-    where = files.file_of(sp.name)
+    where = _where(files, sp.name)
     n, k = sp.shape
     if scale_key is None:  # unquantized linears are accepted too
         if t.dtype not in _DENSE:
-            raise CheckpointError(f"{where}: key {sp.name} is {t.dtype} but has no .scale: add its scale tensor")
+            raise CheckpointError(f"{where} is {t.dtype} but has no .scale: add its scale tensor")
         if tuple(t.shape) != sp.shape:
-            raise CheckpointError(f"{where}: key {sp.name} has shape {tuple(t.shape)}, config implies {sp.shape}")
+            raise CheckpointError(f"{where} has shape {tuple(t.shape)}, config implies {sp.shape}")
         _check_finite(files, sp.name, t)
         return QWeight(t, None, "dense")
-    scale = files.get(scale_key)
+    scale, swhere = _need(files, scale_key), _where(files, scale_key)
     if scale.dtype != torch.float8_e8m0fnu:
         scale = scale.float()
         if not torch.isfinite(scale).all() or (scale <= 0).any():
-            raise CheckpointError(f"{files.file_of(scale_key)}: key {scale_key} has non-positive or non-finite scales")
-        mant, _ = torch.frexp(scale)
-        if (mant != 0.5).any():
-            raise CheckpointError(f"{files.file_of(scale_key)}: key {scale_key} has scales that are not powers of two "
-                                  "(UE8M0 expected)")
+            raise CheckpointError(f"{swhere} has non-positive or non-finite scales: the scales are corrupt")
+        if (torch.frexp(scale).mantissa != 0.5).any():
+            raise CheckpointError(f"{swhere} has scales that are not powers of two: UE8M0 expected")
         scale = scale.to(torch.float8_e8m0fnu)
     elif (scale.view(torch.uint8) == 255).any():
-        raise CheckpointError(f"{files.file_of(scale_key)}: key {scale_key} has NaN (0xFF) UE8M0 scales")
+        raise CheckpointError(f"{swhere} has NaN (0xFF) UE8M0 scales: the scales are corrupt")
     if t.dtype == torch.float8_e4m3fn:
         kind, want_w, want_s = "fp8", (n, k), (math.ceil(n / 128), math.ceil(k / 128))
     elif t.dtype in (torch.int8, torch.uint8):
         kind, want_w, want_s = "mxfp4", (n, k // 2), (n, k // 32)
         t = t.view(torch.int8)
     else:
-        raise CheckpointError(f"{where}: key {sp.name} has dtype {t.dtype} beside a scale: expected float8_e4m3fn "
-                              "(FP8) or int8 (packed MXFP4)")
+        raise CheckpointError(f"{where} has dtype {t.dtype} beside a scale: expected float8_e4m3fn (FP8) or int8 "
+                              "(packed MXFP4)")
     if tuple(t.shape) != want_w:
-        raise CheckpointError(f"{where}: key {sp.name} has shape {tuple(t.shape)}, {kind} of logical {sp.shape} "
-                              f"stores {want_w}: the config.json does not match these weights")
+        raise CheckpointError(f"{where} has shape {tuple(t.shape)}, {kind} of logical {sp.shape} stores {want_w}: "
+                              "the config.json does not match these weights")
     if tuple(scale.shape) != want_s:
-        raise CheckpointError(f"{files.file_of(scale_key)}: key {scale_key} has shape {tuple(scale.shape)}, the "
-                              f"scale grid of {kind} weight {sp.name} {sp.shape} must be {want_s}")
+        raise CheckpointError(f"{swhere} has shape {tuple(scale.shape)}: the scale grid of {kind} weight "
+                              f"{sp.name} {sp.shape} must be {want_s}")
     if kind == "fp8" and torch.isnan(t.float()).any():
-        raise CheckpointError(f"{where}: key {sp.name} has NaN FP8 codes: the weights are corrupt")
+        raise CheckpointError(f"{where} has NaN FP8 codes: the weights are corrupt")
     return QWeight(t, scale, kind)
-
-
-def _read_hf(files: _Files, specs: list[Spec], cfg: Config) -> dict[str, object]:
-    """transformers' layout: rename, split the stacked experts; weights stay as stored (dense)."""
-    out: dict[str, object] = {}
-    stacked: dict[str, torch.Tensor] = {}
-    I = cfg.moe_intermediate_size
-    for sp in specs:
-        if ".experts." in sp.name and ".shared_experts." not in sp.name:
-            if sp.hf not in stacked:
-                stacked[sp.hf] = _need(files, sp.hf)
-            e, w = sp.name.split(".experts.")[1].split(".")[:2]
-            full = stacked[sp.hf][int(e)]
-            part = {"w1": full[:I], "w3": full[I:], "w2": full}[w]
-            if tuple(part.shape) != sp.shape:
-                raise CheckpointError(f"{files.file_of(sp.hf)}: key {sp.hf} gives {tuple(part.shape)} for {sp.name}, "
-                                      f"config implies {sp.shape}")
-            out[sp.name] = QWeight(part, None, "dense")
-            continue
-        t = _need(files, sp.hf)
-        if sp.kind == "int32":
-            t = t.to(torch.int32)
-        if tuple(t.shape) != sp.shape:
-            raise CheckpointError(f"{files.file_of(sp.hf)}: key {sp.hf} has shape {tuple(t.shape)}, config implies "
-                                  f"{sp.shape}")
-        _check_finite(files, sp.hf, t)
-        out[sp.name] = QWeight(t, None, "dense") if sp.kind in ("fp8", "mxfp4") else t
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -331,7 +366,8 @@ def write_checkpoint(folder: str | Path, cfg: Config, tensors: dict[str, torch.T
     """Write config.json and safetensors (one file, or shards with an index when shard_bytes is set)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg.save(folder)
+    quantized = any(v.dtype == torch.float8_e4m3fn for v in tensors.values())
+    replace(cfg, quantization_config=dict(QUANTIZATION_CONFIG) if quantized else None).save(folder)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     if not shard_bytes:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -77,6 +77,8 @@ class Config:
             raise ConfigError("config: num_attention_heads * head_dim must divide into o_groups")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
             raise ConfigError("config: qk_rope_head_dim must be even and <= head_dim and index_head_dim")
+        if self.hidden_size % 32 or self.moe_intermediate_size % 32:
+            raise ConfigError("config: hidden_size and moe_intermediate_size must be multiples of 32 (MXFP4 groups)")
         if not 0 <= self.num_hash_layers <= n:
             raise ConfigError(f"config: num_hash_layers {self.num_hash_layers} outside 0..{n}")
 

@@ -118,7 +118,7 @@ class Attention:
                         if self.ratio == 4 else None)
 
     def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p, self.m.ops
+        cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         cos, sin = self.rope(pos.expand(B, S))
@@ -315,7 +315,8 @@ class Model:
         valid = {f"{i}.{k}" for i in range(self.cfg.num_hidden_layers) for k in ("attn", "ffn")}
         bad = sorted(set(taps) - valid)
         if bad:
-            raise ValueError(f"unknown tap(s) {bad}: use 'L.attn' or 'L.ffn' with L in 0..{self.cfg.num_hidden_layers - 1}")
+            last = self.cfg.num_hidden_layers - 1
+            raise ValueError(f"unknown tap(s) {bad}: use 'L.attn' or 'L.ffn' with L in 0..{last}")
 
     # ------------------------------------------------------------------------------------------ math
     def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""The engine against transformers' DeepseekV4ForCausalLM (an independent implementation) on the same
+official-layout checkpoint, loaded with FineGrainedFP8Config(dequantize=True).
+
+Tolerances (issue 2): transformers keeps float32 islands (cos/sin, router, hc) even in float64, about 1e-7
+relative on its own, so float64 agreement is asserted at 1e-5. In float32 both sides round differently;
+>= 99% of positions within 1e-4 and the same argmax wherever the reference's top-2 margin exceeds 1e-3.
+"""
+
+from __future__ import annotations
+
+import cdna2_engine
+import pytest
+import torch
+from tiny_configs import CONFIGS, make_checkpoint, make_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def load_hf(path, dtype):
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    transformers.logging.set_verbosity_error()
+    q = FineGrainedFP8Config(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4", dequantize=True)
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32)
+    hf = hf.double() if dtype == torch.float64 else hf.float()
+    hf.set_experts_implementation("eager")  # torch's grouped_mm has no float64
+    return hf.eval()
+
+
+def rel_per_position(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() - b.double()).norm(dim=-1) / b.double().norm(dim=-1)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request, tmp_path_factory):
+    name = request.param
+    cfg = make_config(name)
+    path = make_checkpoint(tmp_path_factory.mktemp(name), cfg, seed=len(name))
+    T = CONFIGS[name][1]
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(7))
+    return name, path, ids
+
+
+def test_float64_matches_transformers_everywhere(case):
+    name, path, ids = case
+    ours = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
+    with torch.no_grad():
+        ref = load_hf(path, torch.float64)(ids).logits
+    assert ours.dtype == torch.float64 and ours.shape == ref.shape
+    rel = rel_per_position(ours, ref)
+    worst = rel.argmax().item()
+    assert rel.max() <= 1e-5, f"{name}: position {divmod(worst, ids.shape[1])} rel {rel.max():.2e} > 1e-5"
+
+
+def test_float32_matches_transformers(case):
+    name, path, ids = case
+    ours = cdna2_engine.load_model(path, dtype=torch.float32).forward(ids)
+    with torch.no_grad():
+        ref = load_hf(path, torch.float32)(ids).logits
+    assert ours.dtype == torch.float32
+    rel = rel_per_position(ours, ref)
+    frac = (rel <= 1e-4).double().mean().item()
+    assert frac >= 0.99, f"{name}: only {frac:.2%} of positions within 1e-4 (worst {rel.max():.2e})"
+    top2 = ref.double().topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-3
+    same = ours.argmax(-1) == ref.argmax(-1)
+    assert same[clear].all(), f"{name}: argmax differs at {(~same & clear).nonzero()[:5].tolist()}"
+
+
+def test_converted_hf_checkpoint_round_trips(tmp_path):
+    """A transformers save_pretrained model -> convert_hf_checkpoint -> official layout: transformers
+    (dequantize=True) and the engine read the converted folder to the same logits."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    cfg = make_config("mixed")
+    hf_cfg = DeepseekV4Config(**cfg.to_dict() | {"quantization_config": None})
+    torch.manual_seed(3)
+    src = DeepseekV4ForCausalLM(hf_cfg)
+    with torch.no_grad():  # transformers' init leaves sinks, biases and hc bases at zero: give them values
+        for name, p in src.named_parameters():
+            if name.endswith(("sinks", "base", "position_bias")):
+                p.normal_(0, 0.5)
+    src.save_pretrained(tmp_path / "hf")
+    dst = cdna2_engine.convert_hf_checkpoint(tmp_path / "hf", tmp_path / "official")
+    ids = torch.randint(0, cfg.vocab_size, (1, 260), generator=torch.Generator().manual_seed(2))
+    ours = cdna2_engine.load_model(dst, dtype=torch.float64).forward(ids)
+    with torch.no_grad():
+        ref = load_hf(dst, torch.float64)(ids).logits
+    assert rel_per_position(ours, ref).max() <= 1e-5
+    # the engine also reads the transformers folder itself (dense weights): quantization moved it, a bit
+    dense = cdna2_engine.load_model(tmp_path / "hf", dtype=torch.float64).forward(ids)
+    assert rel_per_position(dense, ours).median() < 0.2
