@@ -1,0 +1,143 @@
+"""The golden store: checksums, model identity, one-line errors, atomic and never-silent writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pytest_cdna2.goldens import (
+    MANIFEST,
+    GoldenError,
+    GoldenStore,
+    GoldenWriter,
+    decode_tokens,
+    encode_prompt,
+    load_prompts,
+    sha256_file,
+)
+
+SHA_A, SHA_B = "a" * 64, "b" * 64
+
+
+def _write(out, regen=False, value=1.0, model_sha=SHA_A):
+    with GoldenWriter(out, regen=regen) as w:
+        w.write("teacher.safetensors", {"p00.logits": torch.full((3, 4), value), "p00.input_ids": torch.arange(3)})
+        w.manifest.update(model_sha256=model_sha, prompts=[{"name": "p00", "tokens": [0, 1, 2]}], steps=1)
+    return out
+
+
+def _siblings(folder):
+    return sorted(p.name for p in folder.parent.iterdir())
+
+
+def test_write_then_open_lazily(tmp_path):
+    out = _write(tmp_path / "g")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["files"] == {"teacher.safetensors": sha256_file(out / "teacher.safetensors")}
+    store = GoldenStore.open(out, expected_model_sha256=SHA_A)
+    assert store._cache == {}  # verified at open, tensors not loaded yet
+    assert torch.equal(store.teacher_logits("p00"), torch.ones(3, 4))
+    assert store.prompt("p00").input_ids().tolist() == [[0, 1, 2]]
+    assert _siblings(out) == ["g"]  # no temporary folder left behind
+
+
+def test_flipped_byte_is_refused_naming_file_and_both_hashes(tmp_path):
+    out = _write(tmp_path / "g")
+    f = out / "teacher.safetensors"
+    want = sha256_file(f)
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(GoldenError) as ei:
+        GoldenStore.open(out)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert str(f) in msg and want in msg and sha256_file(f) in msg
+
+
+def test_goldens_of_another_model_are_refused_naming_both(tmp_path):
+    out = _write(tmp_path / "g")
+    with pytest.raises(GoldenError, match=f"model sha256 {SHA_A}, but the model under test has sha256 {SHA_B}"):
+        GoldenStore.open(out, expected_model_sha256=SHA_B)
+
+
+def test_missing_things_name_the_thing_and_the_fix(tmp_path):
+    with pytest.raises(GoldenError, match=r"does not exist; rebuild with `cdna2 goldens build"):
+        GoldenStore.open(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GoldenError, match=r"no manifest.json in .*empty: not a golden store"):
+        GoldenStore.open(tmp_path / "empty")
+    out = _write(tmp_path / "g")
+    store = GoldenStore.open(out)
+    with pytest.raises(GoldenError, match=r"no tensor 'p09.logits'"):
+        store.teacher_logits("p09")
+    with pytest.raises(GoldenError, match=r"no file 'taps.safetensors' in manifest.json"):
+        store.taps("p00")
+    with pytest.raises(GoldenError, match=r"no prompt 'p01' \(have: p00\)"):
+        store.prompt("p01")
+    (out / "teacher.safetensors").unlink()
+    with pytest.raises(GoldenError, match=r"teacher.safetensors listed in manifest.json is missing"):
+        GoldenStore.open(out)
+
+
+def test_bad_manifest(tmp_path):
+    out = _write(tmp_path / "g")
+    (out / MANIFEST).write_text("{")
+    with pytest.raises(GoldenError, match="not valid JSON"):
+        GoldenStore.open(out)
+    (out / MANIFEST).write_text(json.dumps({"format": 1, "prompts": [], "files": {}}))
+    with pytest.raises(GoldenError, match="missing key 'model_sha256'"):
+        GoldenStore.open(out)
+    (out / MANIFEST).write_text(json.dumps({"format": 99, "model_sha256": None, "prompts": [], "files": {}}))
+    with pytest.raises(GoldenError, match="format 99"):
+        GoldenStore.open(out)
+
+
+def test_never_overwrites_without_regen(tmp_path):
+    out = _write(tmp_path / "g")
+    before = (out / "teacher.safetensors").read_bytes()
+    with pytest.raises(GoldenError, match=r"goldens already exist at .*refusing to overwrite.*--cdna2-regen-goldens"):
+        _write(out, value=2.0)
+    assert (out / "teacher.safetensors").read_bytes() == before
+    _write(out, regen=True, value=2.0)
+    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.full((3, 4), 2.0))
+    assert _siblings(out) == ["g"]
+
+
+def test_failed_write_leaves_the_old_store_and_no_temp(tmp_path):
+    out = _write(tmp_path / "g")
+    before = (out / "teacher.safetensors").read_bytes()
+    with pytest.raises(RuntimeError, match="boom"):
+        with GoldenWriter(out, regen=True) as w:
+            w.write("teacher.safetensors", {"x": torch.zeros(1)})
+            raise RuntimeError("boom")
+    assert (out / "teacher.safetensors").read_bytes() == before
+    assert _siblings(out) == ["g"]
+    with pytest.raises(RuntimeError):
+        with GoldenWriter(tmp_path / "new") as w:
+            raise RuntimeError("boom")
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_empty_folder_may_receive_a_store(tmp_path):
+    (tmp_path / "g").mkdir()
+    GoldenStore.open(_write(tmp_path / "g"))
+
+
+def test_prompts_encoding_and_files(tmp_path):
+    assert encode_prompt(b"hi").tolist() == [104, 105]
+    assert encode_prompt("\u00e9").tolist() == [0xC3, 0xA9]
+    with pytest.raises(ValueError, match="vocabulary of >= 256"):
+        encode_prompt(b"x", vocab_size=100)
+    assert decode_tokens([104, 105, 257, 33]) == "hi<257>!"
+    (tmp_path / "p.json").write_text(json.dumps(["a b", "c"]))
+    assert load_prompts(tmp_path / "p.json") == [b"a b", b"c"]
+    (tmp_path / "p.txt").write_bytes(b"one\n\ntwo\n")
+    assert load_prompts(tmp_path / "p.txt") == [b"one", b"two"]
+    (tmp_path / "bad.json").write_text(json.dumps({"a": 1}))
+    with pytest.raises(GoldenError, match="expected a JSON list of non-empty strings"):
+        load_prompts(tmp_path / "bad.json")
+    with pytest.raises(GoldenError, match="prompts file .*missing.txt"):
+        load_prompts(tmp_path / "missing.txt")
