@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_configs import make_checkpoint, make_config
 
 import cdna2_engine
+
+from tiny_configs import make_checkpoint, make_config
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ relative on its own, so float64 agreement is asserted at 1e-5. In float32 both s
 
 from __future__ import annotations
 
-import cdna2_engine
 import pytest
 import torch
+
+import cdna2_engine
+
 from tiny_configs import CONFIGS, make_checkpoint, make_config
 
 transformers = pytest.importorskip("transformers")
