@@ -1,0 +1,124 @@
+"""The plugin's options: listed in --help, readable from ini, bad values are usage errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_cdna2 import plugin
+
+ENGINE = "--cdna2-engine=test_plugin_fake_engine:make_model"
+OPTIONS = ["device", "model", "goldens", "backend", "tolerance", "engine", "regen-goldens", "perf-on-cpu"]
+
+
+def test_help_lists_every_option_and_ini_key(pytester):
+    r = pytester.runpytest_inprocess("--help")
+    r.stdout.fnmatch_lines(["DeepSeek-V4 FP4/FP8 conformance (pytest-cdna2):"])
+    out = r.stdout.str()
+    for name in OPTIONS:
+        assert f"--cdna2-{name}" in out
+        assert f"cdna2_{name.replace('-', '_')} (" in out  # the ini key with its type
+
+
+def test_markers_are_registered(pytester):
+    pytester.makeini("[pytest]\naddopts = --strict-markers\n")
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.weight
+        @pytest.mark.kernel
+        @pytest.mark.token
+        @pytest.mark.determinism
+        @pytest.mark.isa
+        def test_x(): pass
+        """
+    )
+    pytester.runpytest_inprocess().assert_outcomes(passed=1)
+    r = pytester.runpytest_inprocess("--markers")
+    r.stdout.fnmatch_lines(["@pytest.mark.perf: perf tier: *only after every other test*"])
+
+
+def test_header_shows_device_engine_goldens(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    r = pytester.runpytest_inprocess("--cdna2-device=cpu")
+    r.stdout.fnmatch_lines([
+        "cdna2 device: cpu (*threads, torch *)",
+        "cdna2 engine: bundled backend=reference model=*",
+        "cdna2 goldens: * tolerance: default (*tolerance_default.toml)",
+    ])
+
+
+SHOW = """
+def test_show(cdna2_settings, cdna2_tolerance):
+    s = cdna2_settings
+    print("SETTINGS", s.backend, s.engine, s.model.name, s.goldens.name, cdna2_tolerance.token.kl_max, s.regen,
+          s.perf_on_cpu)
+"""
+
+
+def test_ini_options_and_cli_wins(pytester):
+    (pytester.path / "mymodel").mkdir()
+    (pytester.path / "mygoldens").mkdir()
+    (pytester.path / "tol.toml").write_text("[token]\nkl_max = 0.25\n")
+    pytester.makeini(
+        """
+        [pytest]
+        cdna2_device = cpu
+        cdna2_backend = triton
+        cdna2_engine = test_plugin_fake_engine:make_model
+        cdna2_model = mymodel
+        cdna2_goldens = mygoldens
+        cdna2_tolerance = tol.toml
+        cdna2_perf_on_cpu = true
+        """
+    )
+    pytester.makepyfile(SHOW)
+    r = pytester.runpytest_inprocess("-s")
+    r.stdout.fnmatch_lines(["*SETTINGS triton test_plugin_fake_engine:make_model mymodel mygoldens 0.25 False True"])
+    r = pytester.runpytest_inprocess("-s", "--cdna2-backend=reference", "--cdna2-engine=bundled")
+    r.stdout.fnmatch_lines(["*SETTINGS reference bundled mymodel mygoldens 0.25 False True"])
+
+
+def test_ini_paths_are_relative_to_the_ini_file(pytester, monkeypatch):
+    (pytester.path / "m").mkdir()
+    pytester.makeini("[pytest]\ncdna2_model = m\n")
+    pytester.makepyfile(SHOW)
+    sub = pytester.mkdir("sub")
+    monkeypatch.chdir(sub)
+    r = pytester.runpytest_inprocess("-s", str(pytester.path))
+    r.stdout.fnmatch_lines(["*SETTINGS reference bundled m goldens *"])
+
+
+def test_defaults_point_at_the_bundled_model(pytester):
+    pytester.makepyfile(SHOW)
+    r = pytester.runpytest_inprocess("-s")
+    r.stdout.fnmatch_lines(["*SETTINGS reference bundled model goldens 0.001 False False"])
+    assert plugin.DEFAULT_MODEL.parts[-3:] == ("goldens", "tiny-v4", "model")
+    assert plugin.DEFAULT_GOLDENS.parts[-3:] == ("goldens", "tiny-v4", "goldens")
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "message"),
+    [
+        (["--cdna2-backend=cuda"], "", "*--cdna2-backend=cuda: expected one of reference, triton*"),
+        ([], "cdna2_backend = rocm", "*--cdna2-backend=rocm: expected one of reference, triton*"),
+        (["--cdna2-engine=not a spec"], "", "*--cdna2-engine=not a spec: expected bundled or module:factory*"),
+        (["--cdna2-model=nowhere"], "", "*--cdna2-model: */nowhere does not exist*"),
+        (["--cdna2-goldens=nowhere"], "", "*--cdna2-goldens: */nowhere does not exist (build it with*"),
+        (["--cdna2-device=gpu"], "", "*--cdna2-device='gpu': expected cpu, N, N,M or all*"),
+        (["--cdna2-tolerance=t.toml"], "", "*--cdna2-tolerance: */t.toml: [[]token] kl: unknown key*"),
+        (["--cdna2-regen-goldens", "-n", "2"], "", "*--cdna2-regen-goldens cannot run under xdist*"),
+    ],
+)
+def test_bad_values_are_usage_errors(pytester, args, ini, message):
+    (pytester.path / "t.toml").write_text("[token]\nkl = 1\n")
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile("def test_x(): pass")
+    r = pytester.runpytest_inprocess(*args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+def test_regen_may_target_a_new_goldens_folder(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    pytester.runpytest_inprocess("--cdna2-regen-goldens", "--cdna2-goldens=new").assert_outcomes(passed=1)
