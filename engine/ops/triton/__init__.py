@@ -98,6 +98,14 @@ def _use_reference(*ts: torch.Tensor) -> bool:
     return False
 
 
+POISON = False  # tests set this: every buffer a kernel writes starts as NaN, so an unwritten element shows
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.empty(*shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON else out
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -121,7 +129,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     n = w.data.shape[0]
     r = n // groups
     wd, sd = _u8(w.data), _u8(w.scale)
-    y = torch.empty(m, g, r, dtype=x.dtype, device=x.device)
+    y = _empty(m, g, r, dtype=x.dtype, device=x.device)
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
@@ -208,7 +216,7 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     launch = _Launch(x)
     bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
     d1, s1, d3, s3 = _u8(w1.data), _u8(w1.scale), _u8(w3.data), _u8(w3.scale)
-    h = torch.empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
+    h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
     launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
            x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
            inter, d, float(limit or 0.0),
@@ -224,7 +232,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple) -
     launch = _Launch(h)
     bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
     d2, s2 = _u8(w2.data), _u8(w2.scale)
-    c = torch.empty(h.shape[0], d, dtype=torch.float32, device=h.device)
+    c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
     launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
@@ -251,7 +259,7 @@ def moe_experts(
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
     c = moe_down(moe_gate_up(x, w1, w3, plan, limit), w2, weights, plan)
-    out = torch.empty_like(x)
+    out = _empty(*x.shape, dtype=x.dtype, device=x.device)
     bd = 1024
     _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=idx.shape[-1], BLOCK_D=bd,
                num_warps=4)
@@ -268,7 +276,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return _ref.rms_norm(x, weight, eps)
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
-    y = torch.empty_like(x2)
+    y = _empty(*x2.shape, dtype=x2.dtype, device=x2.device)
     w = weight.contiguous() if weight is not None else x2
     _Launch(x)("rms_norm_kernel", (x2.shape[0],), x2, w, y, d, float(eps), x2.stride(0), y.stride(0),
                HAS_W=weight is not None, BLOCK_D=_pow2(d), num_warps=4)
@@ -282,7 +290,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     b, s, h, d = x.shape
     half = cos.shape[-1]
     xc = x.contiguous()
-    y = torch.empty_like(xc)
+    y = _empty(*xc.shape, dtype=xc.dtype, device=xc.device)
     c = cos.expand(b, s, half).contiguous()
     sn = sin.expand(b, s, half).contiguous()
     _Launch(x)("rope_kernel", (b * s,), xc, c, sn, y, h, d, half, -1.0 if inverse else 1.0,
@@ -306,7 +314,7 @@ def attention(
     q = q.contiguous()
     kv = kv.contiguous()
     m8 = mask.expand(b, s, ln).contiguous().view(torch.uint8)
-    o = torch.empty_like(q)
+    o = _empty(*q.shape, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     launch = _Launch(q)
     bh = min(_pow2(h), 32 if d <= 256 else 16)
@@ -328,7 +336,7 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     q = q.contiguous()
     k = k.contiguous()
     w = weights.contiguous()
-    o = torch.empty(b, s, t, dtype=torch.float32, device=q.device)
+    o = _empty(b, s, t, dtype=torch.float32, device=q.device)
     bt = 32
     _Launch(q)("index_scores_kernel", (s, b, triton_cdiv(t, bt)),
                q, k, w, o, s, h, t, d, float(scale),

@@ -1,0 +1,177 @@
+"""Triton kernels in Triton's interpreter (CPU) against the reference ops computed in float64.
+
+The backend runs CPU tensors through an interpreted copy of its kernels (engine/ops/triton/__init__.py),
+so no TRITON_INTERPRET is needed in this process and nothing leaks into other tests. Every case draws
+fresh random inputs from its own seed, poisons every kernel-written buffer with NaN first, uses sizes that
+are not multiples of the blocks, and batch 1 and 2. Tolerances (DESIGN.md section 5, kernel tier): fp32
+operands (dots in IEEE fp32, no tf32) rel. Frobenius <= 1e-5; fp16 operands <= 1e-2. The interpreter
+cannot run bf16 (DESIGN.md section 7), so bf16 is checked on the GPU by bench/bench_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cdna2_engine.ops import QWeight, get_ops  # noqa: E402
+from cdna2_engine.ops import reference as ref  # noqa: E402
+from cdna2_engine.ops import triton as tri  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(tri, "POISON", True)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "NaN in output (an element the kernel never wrote?)"
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def fp8_weight(n: int, k: int, g: torch.Generator) -> QWeight:
+    """Random E4M3 codes (subnormals included, NaN codes 0x7F/0xFF avoided) and UE8M0 scales."""
+    b = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32)
+    b = torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
+    s = torch.randint(118, 128, (-(-n // 128), -(-k // 128)), generator=g, dtype=torch.int32).to(torch.uint8)
+    return QWeight(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8")
+
+
+def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
+    """Random packed E2M1 bytes (every code, both nibbles) and UE8M0 scales, one per 32 along K."""
+    b = torch.randint(-128, 128, (e, n, k // 2), generator=g, dtype=torch.int32).to(torch.int8)
+    s = torch.randint(118, 128, (e, n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+
+# M = B*S rows: 1 and 3 take the GEMV kernel, 2*11 = 22 the dot kernel.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s", [(1, 1), (1, 3), (2, 11)])
+def test_fp8_linear(dtype, b, s):
+    g = gen(100 + 10 * b + s)
+    w = fp8_weight(200, 300, g)
+    x = torch.randn(b, s, 300, generator=g).to(dtype)
+    assert rel(tri.linear(x, w), ref.linear(x.double(), w)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 1), (2, 5)])
+def test_fp8_grouped_linear(dtype, b, s):
+    g = gen(200 + 10 * b + s)
+    w = fp8_weight(4 * 72, 136, g)  # 4 groups of 72 rows: row blocks of 128 straddle the groups
+    x = torch.randn(b, s, 4, 136, generator=g).to(dtype)
+    assert rel(tri.grouped_linear(x, w, 4), ref.grouped_linear(x.double(), w, 4)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,limit", [(1, 2, 7.0), (3, 3, 0.0), (9, 2, 1.5)])
+def test_moe_experts(dtype, t, k, limit):
+    g = gen(300 + t)
+    e, d, inter = 5, 96, 160
+    w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)
+    x = (torch.randn(t, d, generator=g) * 0.2).to(dtype)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wt = torch.rand(t, k, generator=g)
+    got = tri.moe_experts(x, w1, w3, w2, idx, wt, limit)
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), limit)
+    assert rel(got, want) <= TOL[dtype]
+    assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, limit)), "not bit-reproducible"
+
+
+def test_moe_blocks_cover_every_pair_once():
+    g = gen(7)
+    idx = torch.randint(0, 6, (13, 3), generator=g)
+    pair_tok, pair_id, blk_e, lo, hi = tri.moe_blocks(idx, 6, 2)
+    seen = []
+    for e, a, z in zip(blk_e.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        if e < 0:
+            continue
+        rows = list(range(a, min(a + 2, z)))
+        assert all(idx.reshape(-1)[pair_id[r]] == e for r in rows)
+        seen += [pair_id[r].item() for r in rows]
+    assert sorted(seen) == list(range(idx.numel()))
+    assert torch.equal(pair_tok.long(), pair_id.long() // 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,d,weighted", [(1, 37, True), (2, 37, False), (2, 130, True)])
+def test_rms_norm(dtype, b, d, weighted):
+    g = gen(400 + d + b)
+    x = (torch.randn(b, 3, d, generator=g) * 3).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype) if weighted else None
+    want = ref.rms_norm(x.double(), None if w is None else w.double(), 1e-6)
+    assert rel(tri.rms_norm(x, w, 1e-6), want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("b,h,d,half", [(1, 3, 24, 4), (2, 5, 10, 5)])
+def test_rope(dtype, inverse, b, h, d, half):
+    g = gen(500 + b * 7 + d)
+    x = torch.randn(b, 3, h, d, generator=g).to(dtype)
+    ang = torch.rand(b, 3, half, generator=g) * 6
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    want = ref.rope(x.double(), cos.double(), sin.double(), inverse)
+    assert rel(tri.rope(x, cos, sin, inverse), want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,h,d,ln", [(1, 1, 5, 24, 37), (2, 3, 5, 24, 37), (2, 2, 40, 20, 19)])
+def test_attention(dtype, b, s, h, d, ln):
+    g = gen(600 + b * 13 + s + h)
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    kv = torch.randn(b, ln, d, generator=g).to(dtype)
+    sink = torch.randn(h, generator=g)
+    mask = torch.rand(b, s, ln, generator=g) > 0.3
+    if b * s > 1:
+        mask[-1, -1] = False  # a row with no visible key: the sink takes everything, output 0
+    got = tri.attention(q, kv, sink, mask, d**-0.5)
+    want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5)
+    assert rel(got, want) <= TOL[dtype]
+    if b * s > 1:
+        assert torch.equal(got[-1, -1], torch.zeros_like(got[-1, -1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,h,t", [(1, 1, 5, 37), (2, 3, 17, 40)])
+def test_index_scores(dtype, b, s, h, t):
+    g = gen(700 + b + s + h)
+    q = torch.randn(b, s, h, 24, generator=g).to(dtype)
+    k = torch.randn(b, t, 24, generator=g).to(dtype)
+    w = torch.randn(b, s, h, generator=g).to(dtype)
+    got = tri.index_scores(q, k, w, 0.3)
+    assert got.dtype == torch.float32
+    assert rel(got, ref.index_scores(q.double(), k.double(), w.double(), 0.3)) <= TOL[dtype]
+
+
+def test_backend_table_and_no_leak():
+    """get_ops('triton') takes the kernels by name (topk stays the reference's), and interpreting leaves
+    neither TRITON_INTERPRET nor a patched JITFunction behind."""
+    from triton.runtime.jit import JITFunction
+
+    before = (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__)
+    ops = get_ops("triton")
+    for name in ("linear", "grouped_linear", "rms_norm", "rope", "attention", "index_scores", "moe_experts"):
+        assert getattr(ops, name) is getattr(tri, name)
+    assert ops.topk is ref.topk
+    tri.rms_norm(torch.randn(2, 5), None, 1e-6)
+    assert (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__) == before
+    assert isinstance(tri.kernels.rms_norm_kernel, JITFunction)  # the compiled copy stays compiled
+
+
+def test_cpu_bf16_and_float64_fall_back_to_reference():
+    g = gen(9)
+    x = torch.randn(3, 16, generator=g)
+    for dt in (torch.bfloat16, torch.float64):
+        assert torch.equal(tri.rms_norm(x.to(dt), None, 1e-6), ref.rms_norm(x.to(dt), None, 1e-6))
