@@ -2,14 +2,18 @@
 
 For gfx90a (wave64) the amdgcn text carries `.vgpr_count`, `.agpr_count`, `.sgpr_count` and
 `.private_segment_fixed_size` (scratch bytes: 0 means nothing spilled to memory) and `metadata.shared` is
-the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. For sm_90 the PTX/cubin are produced and
-`metadata.shared` is the shared-memory bytes (DESIGN.md section 7).
+the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E2M1/E4M3 through fp16
+subnormals (engine/ops/triton/kernels.py), so `.amdhsa_float_denorm_mode_16_64` must stay 3 (kept).
+For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
+section 7).
 
 Occupancy estimate on gfx90a (CDNA2 ISA guide: each SIMD has 512 unified 32-bit registers per lane,
-shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at most 8 waves per SIMD):
+shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at most 8 waves per SIMD). On gfx90a
+the `.vgpr_count` the compiler writes is already the unified total (arch VGPRs, aligned, plus AGPRs: a
+kernel using 256 + 256 reports 512), so
 
-    regs  = ceil((align4(vgpr_count) + agpr_count) / 8) * 8
-    waves = min(8, floor(512 / regs))
+    regs  = ceil(vgpr_count / 8) * 8
+    waves = min(8, floor(512 / regs))      (0 means the wave cannot launch at all)
 
 (LDS can lower it further: 64 KiB per CU shared by the workgroups on it; `waves_per_simd` reports the
 register limit only, `lds_bytes` is listed beside it.)
@@ -40,6 +44,7 @@ class KernelAudit:
     lds_bytes: int | None = None
     has_mfma: bool | None = None
     waves_per_simd: int | None = None
+    denorm_f16: int | None = None
     matmul: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -55,6 +60,8 @@ class KernelAudit:
                 out.append(f"LDS {self.lds_bytes} B > {LDS_LIMIT}")
             if self.matmul and not self.has_mfma:
                 out.append("matmul kernel without v_mfma")
+            if self.denorm_f16 is not None and self.denorm_f16 != 3:
+                out.append(f"fp16 denormals not kept (mode {self.denorm_f16}): the E2M1/E4M3 decode needs them")
         return out
 
     def row(self) -> str:
@@ -63,17 +70,17 @@ class KernelAudit:
             return f"{self.name:14s} {self.target:7s} FAILED {self.error[:80]}"
         return (f"{self.name:14s} {self.target:7s} vgpr={self.vgpr} agpr={self.agpr} sgpr={self.sgpr} "
                 f"scratch={self.scratch_bytes} lds={self.lds_bytes} mfma={self.has_mfma} "
-                f"waves/SIMD={self.waves_per_simd}")
+                f"waves/SIMD={self.waves_per_simd} f16denorm={self.denorm_f16}")
 
 
-def occupancy_gfx90a(vgpr: int, agpr: int = 0) -> int:
+def occupancy_gfx90a(vgpr_count: int) -> int:
     """Waves per SIMD allowed by registers on gfx90a (formula in the module docstring)."""
-    regs = -(-((-(-vgpr // 4)) * 4 + agpr) // 8) * 8
+    regs = -(-vgpr_count // 8) * 8
     return min(8, 512 // max(regs, 8))
 
 
 def _meta(text: str, key: str) -> int | None:
-    m = re.search(rf"\.{key}:\s*(\d+)", text)
+    m = re.search(rf"\.{key}:?\s+(\d+)", text)
     return int(m.group(1)) if m else None
 
 
@@ -97,9 +104,10 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
         a.agpr = _meta(text, "agpr_count") or 0
         a.scratch_bytes = _meta(text, "private_segment_fixed_size")
         a.has_mfma = "v_mfma" in text
+        a.denorm_f16 = _meta(text, "amdhsa_float_denorm_mode_16_64")
         a.extra["vgpr_spill_count"] = _meta(text, "vgpr_spill_count")
         if a.vgpr is not None:
-            a.waves_per_simd = occupancy_gfx90a(a.vgpr, a.agpr)
+            a.waves_per_simd = occupancy_gfx90a(a.vgpr)
     else:
         ptx = k.asm.get("ptx", "")
         a.has_mfma = "mma" in ptx

@@ -1,0 +1,60 @@
+"""ISA tier, project side: every Triton kernel compiles ahead of time for gfx90a (wave64) and sm_90 without
+a GPU, and on gfx90a has no scratch, LDS <= 64 KiB, MFMA in matmul kernels, fp16 denormals kept; a
+deliberately bad spec is reported as a violation (so the audit can fail)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from pytest_cdna2 import isa  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def audits() -> list[isa.KernelAudit]:
+    return isa.audit_all()
+
+
+def test_every_kernel_compiles_for_both_targets(audits):
+    from cdna2_engine.ops.triton.kernels import ISA_SPECS
+
+    names = {spec[0] for spec in ISA_SPECS}
+    assert {"fp8_gemv", "fp8_matmul", "moe_gate_up", "moe_down", "attention", "index_scores"} <= names
+    assert {(a.name, a.target) for a in audits} == {(n, t) for n in names for t in ("gfx90a", "sm_90")}
+    failed = [a.row() for a in audits if not a.compiled]
+    assert not failed, "\n".join(failed)
+
+
+def test_gfx90a_rules(audits):
+    print("\n" + isa.report(audits))
+    bad = [f"{a.name}: {v}" for a in audits for v in a.violations()]
+    assert not bad, "\n".join(bad)
+    for a in audits:
+        if a.target == "gfx90a":
+            assert a.scratch_bytes == 0 and a.vgpr is not None and 1 <= a.waves_per_simd <= 8
+            assert a.has_mfma or not a.matmul
+
+
+def test_occupancy_formula():
+    assert isa.occupancy_gfx90a(3) == 8  # tiny kernels: capped at 8 waves per SIMD
+    assert isa.occupancy_gfx90a(64) == 8
+    assert isa.occupancy_gfx90a(128) == 4
+    assert isa.occupancy_gfx90a(129) == 3  # granules of 8 -> 136 registers
+    assert isa.occupancy_gfx90a(256) == 2
+    assert isa.occupancy_gfx90a(512) == 1  # 256 arch VGPRs + 256 AGPRs: the unified file is full
+
+
+def test_bad_spec_is_reported():
+    """An fp8 matmul tile of 256 x 256 x 128 on 4 warps: the 256 x 256 fp32 accumulator spills (scratch)."""
+    from cdna2_engine.ops.triton import kernels as k
+
+    sig, const = next(s[2] for s in k.ISA_SPECS if s[0] == "fp8_matmul")
+    big = dict(const, BLOCK_M=256, BLOCK_N=256, BLOCK_K=128)
+    a = isa.audit_kernel("fp8_matmul_huge", k.fp8_matmul_kernel, sig, big, 4, True)
+    assert a.violations(), a.row()
+
+
+def test_compile_error_is_a_violation():
+    a = isa.audit_kernel("broken", object(), {}, {}, 4, False)
+    assert not a.compiled and a.violations()[0].startswith("does not compile")
