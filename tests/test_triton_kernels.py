@@ -75,8 +75,10 @@ def test_fp8_grouped_linear(dtype, b, s):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k,limit", [(1, 2, 7.0), (3, 3, 0.0), (9, 2, 1.5)])
-def test_moe_experts(dtype, t, k, limit):
+@pytest.mark.parametrize("t,k,limit,words", [(1, 2, 7.0, True), (3, 3, 0.0, True), (9, 2, 1.5, False)])
+def test_moe_experts(dtype, t, k, limit, words, monkeypatch):
+    """words: the uint32-word decode (two codes per bit op) or the byte decode."""
+    monkeypatch.setitem(tri.MOE, "WORDS", words)
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)

@@ -114,13 +114,18 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
+    """Packed E2M1 bytes as uint8, or as int32 words of 8 codes (K/2 is a multiple of 16 for MXFP4)."""
+    return t.contiguous().view(torch.int32 if words else torch.uint8)
+
+
 # ----------------------------------------------------------------------------------------------------
 # FP8 linear
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_GEMV_MAX_M = 4
 FP8_GEMV = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
-MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4}
+MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True}
 
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -215,13 +220,15 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
     bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
-    d1, s1, d3, s3 = _u8(w1.data), _u8(w1.scale), _u8(w3.data), _u8(w3.scale)
+    words = MOE["WORDS"]
+    d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
     launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
            x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
            inter, d, float(limit or 0.0),
            x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=nw)
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words,
+           num_warps=nw)
     return h
 
 
@@ -231,14 +238,15 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple) -
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
     bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
-    d2, s2 = _u8(w2.data), _u8(w2.scale)
+    words = MOE["WORDS"]
+    d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
     launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=nw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words, num_warps=nw)
     return c
 
 

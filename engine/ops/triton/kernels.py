@@ -160,12 +160,59 @@ def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
 
 
 @triton.jit
+def _f16_halves_f32(t):
+    """uint32 holding two fp16 bit patterns -> (low, high) as fp32 (exact)."""
+    lo = (t & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (t >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_pair(w, Q: tl.constexpr):
+    """Nibbles Q and Q+4 of each uint32 word (elements 8i+Q and 8i+Q+4) -> fp32 value / 2^14, decoded two at a
+    time: one shift pair and one and/or per two codes (fp16 bits s|ee|m at 15|11..10|9 in each half)."""
+    x = w >> (4 * Q)
+    return _f16_halves_f32(((x & 0x00070007) << 9) | ((x & 0x00080008) << 12))
+
+
+@triton.jit
+def _mxfp4_tile_gemv_w32(w_base, s_base, x_base, K, r_ok, m_ok,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """Same result as _mxfp4_tile_gemv, reading the packed weights as uint32 words (8 codes each).
+
+    Word i of a row holds elements 8i..8i+7, nibble p = element 8i+p; a group of 32 is 4 words. x is
+    loaded per nibble position p as [BLOCK_M, GROUPS, 4] (stride 8) to meet the decoded halves.
+    """
+    offs_g = tl.arange(0, GROUPS)
+    offs_w = tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        gg = g0 + offs_g
+        g_ok = gg < K // 32
+        word = gg[:, None] * 4 + offs_w[None, :]  # [G, 4]
+        wmask = r_ok[:, None, None] & g_ok[None, :, None]
+        w = tl.load(w_base[:, None, None] + word[None, :, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+        xm = m_ok[:, None, None] & g_ok[None, :, None]
+        xo = x_base[:, None, None] + word[None, :, :] * 8  # element 8i of each word, [BM, G, 4]
+        part = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
+        for q in tl.static_range(4):
+            lo, hi = _e2m1_pair(w, q)
+            x_lo = tl.load(xo + q, mask=xm, other=0.0).to(tl.float32)
+            x_hi = tl.load(xo + q + 4, mask=xm, other=0.0).to(tl.float32)
+            part += tl.sum(x_lo[:, None, :, :] * lo[None, :, :, :] + x_hi[:, None, :, :] * hi[None, :, :, :], axis=3)
+        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 14)
+        acc += tl.sum(part * sc[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
     pair_tok_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
     pid_n = tl.program_id(0)
@@ -183,10 +230,14 @@ def moe_gate_up_kernel(
         e64 = e.to(tl.int64)
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
-        g = _mxfp4_tile_gemv(w1_ptr + w_off, s1_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
-                             BLOCK_M, BLOCK_N, GROUPS)
-        u = _mxfp4_tile_gemv(w3_ptr + w_off, s3_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
-                             BLOCK_M, BLOCK_N, GROUPS)
+        if WORDS:  # w*_ptr are uint32 views, strides in words
+            g = _mxfp4_tile_gemv_w32(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
+            u = _mxfp4_tile_gemv_w32(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
+        else:
+            g = _mxfp4_tile_gemv(w1_ptr + w_off, s1_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
+                                 BLOCK_M, BLOCK_N, GROUPS)
+            u = _mxfp4_tile_gemv(w3_ptr + w_off, s3_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
+                                 BLOCK_M, BLOCK_N, GROUPS)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -200,7 +251,7 @@ def moe_down_kernel(
     pair_id_ptr, pair_w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
@@ -215,9 +266,12 @@ def moe_down_kernel(
         r_ok = offs_n < D
         h_row = h_ptr + pairs.to(tl.int64) * stride_hp
         e64 = e.to(tl.int64)
-        y = _mxfp4_tile_gemv(w2_ptr + e64 * stride_we + offs_n * stride_wn,
-                             s2_ptr + e64 * stride_se + offs_n * stride_sn, h_row, h_row + 1, I, r_ok, m_ok,
-                             BLOCK_M, BLOCK_N, GROUPS)
+        w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
+        s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
+        if WORDS:
+            y = _mxfp4_tile_gemv_w32(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
+        else:
+            y = _mxfp4_tile_gemv(w_at, s_at, h_row, h_row + 1, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
         pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
@@ -399,8 +453,14 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, True),
     ("moe_gate_up", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8), 4, False),
-    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8), 4, False),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False), 4, False),
+    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False), 4, False),
+    ("moe_gate_up_w32", moe_gate_up_kernel,
+     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True), 4, False),
+    ("moe_down_w32", moe_down_kernel,
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True),
+     4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
     ("rms_norm", rms_norm_kernel,
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
