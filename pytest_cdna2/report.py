@@ -150,7 +150,7 @@ class TierTally:
         elif report.skipped and t.outcome != "failed":
             t.outcome = "skipped"
             if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
-                t.reason = str(report.longrepr[2])
+                t.reason = str(report.longrepr[2]).removeprefix("Skipped: ")
         metrics = metrics_of(report.nodeid, report.user_properties)
         if len(metrics) >= len(t.metrics):  # later phases carry everything recorded so far
             t.metrics = metrics

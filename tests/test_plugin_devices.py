@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_plugin_fake_engine import run_inprocess as run
 
 from pytest_cdna2 import devices
 
@@ -103,7 +104,7 @@ def test_plugin_pins_xdist_worker_and_shows_header(pytester, gpus, monkeypatch):
             assert [str(d) for d in cdna2_devices] == ["cuda:0", "cuda:1"]
         """
     )
-    r = pytester.runpytest_inprocess("--cdna2-device=0,1", "-p", "no:xdist", "-p", "no:benchmark")
+    r = run(pytester, "--cdna2-device=0,1", "-p", "no:xdist", "-p", "no:benchmark")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines([
         "cdna2 device: cuda:0 AMD Instinct MI250X/MI250 gfx90a wave64 GCD 0 64.0 GiB HIP 6.2.41133",
@@ -115,6 +116,6 @@ def test_plugin_pins_xdist_worker_and_shows_header(pytester, gpus, monkeypatch):
 def test_plugin_missing_gpu_is_a_usage_error(pytester, gpus):
     gpus(1)
     pytester.makepyfile("def test_x(): pass")
-    r = pytester.runpytest_inprocess("--cdna2-device=3")
+    r = run(pytester, "--cdna2-device=3")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*--cdna2-device=3: GPU 3 does not exist (available: cpu; GPUs: 0)*"])

@@ -17,6 +17,15 @@ import torch
 
 LOADS: list[tuple[str, str, str]] = []  # (path, device, backend) of every make_model call
 
+# pytester inner runs without two plugins that cost ~1.5 s a run here: unraisableexception's gc.collect() calls
+# (slow with torch imported) and hypothesis' summary hook (re-imports hypothesis, which pytester unloads).
+FAST = ("-p", "no:unraisableexception", "-p", "no:hypothesispytest")
+
+
+def run_inprocess(pytester, *args):
+    """``pytester.runpytest_inprocess`` without the slow plugins."""
+    return pytester.runpytest_inprocess(*FAST, *args)
+
 
 @dataclass
 class Selection:

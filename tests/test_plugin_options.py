@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_plugin_fake_engine import run_inprocess as run
 
 from pytest_cdna2 import plugin
 
@@ -11,7 +12,7 @@ OPTIONS = ["device", "model", "goldens", "backend", "tolerance", "engine", "rege
 
 
 def test_help_lists_every_option_and_ini_key(pytester):
-    r = pytester.runpytest_inprocess("--help")
+    r = run(pytester, "--help")
     r.stdout.fnmatch_lines(["DeepSeek-V4 FP4/FP8 conformance (pytest-cdna2):"])
     out = r.stdout.str()
     for name in OPTIONS:
@@ -32,14 +33,14 @@ def test_markers_are_registered(pytester):
         def test_x(): pass
         """
     )
-    pytester.runpytest_inprocess().assert_outcomes(passed=1)
-    r = pytester.runpytest_inprocess("--markers")
+    run(pytester, ).assert_outcomes(passed=1)
+    r = run(pytester, "--markers")
     r.stdout.fnmatch_lines(["@pytest.mark.perf: perf tier: *only after every other test*"])
 
 
 def test_header_shows_device_engine_goldens(pytester):
     pytester.makepyfile("def test_x(): pass")
-    r = pytester.runpytest_inprocess("--cdna2-device=cpu")
+    r = run(pytester, "--cdna2-device=cpu")
     r.stdout.fnmatch_lines([
         "cdna2 device: cpu (*threads, torch *)",
         "cdna2 engine: bundled backend=reference model=*",
@@ -72,9 +73,9 @@ def test_ini_options_and_cli_wins(pytester):
         """
     )
     pytester.makepyfile(SHOW)
-    r = pytester.runpytest_inprocess("-s")
+    r = run(pytester, "-s")
     r.stdout.fnmatch_lines(["*SETTINGS triton test_plugin_fake_engine:make_model mymodel mygoldens 0.25 False True"])
-    r = pytester.runpytest_inprocess("-s", "--cdna2-backend=reference", "--cdna2-engine=bundled")
+    r = run(pytester, "-s", "--cdna2-backend=reference", "--cdna2-engine=bundled")
     r.stdout.fnmatch_lines(["*SETTINGS reference bundled mymodel mygoldens 0.25 False True"])
 
 
@@ -84,13 +85,13 @@ def test_ini_paths_are_relative_to_the_ini_file(pytester, monkeypatch):
     pytester.makepyfile(SHOW)
     sub = pytester.mkdir("sub")
     monkeypatch.chdir(sub)
-    r = pytester.runpytest_inprocess("-s", str(pytester.path))
+    r = run(pytester, "-s", str(pytester.path))
     r.stdout.fnmatch_lines(["*SETTINGS reference bundled m goldens *"])
 
 
 def test_defaults_point_at_the_bundled_model(pytester):
     pytester.makepyfile(SHOW)
-    r = pytester.runpytest_inprocess("-s")
+    r = run(pytester, "-s")
     r.stdout.fnmatch_lines(["*SETTINGS reference bundled model goldens 0.001 False False"])
     assert plugin.DEFAULT_MODEL.parts[-3:] == ("goldens", "tiny-v4", "model")
     assert plugin.DEFAULT_GOLDENS.parts[-3:] == ("goldens", "tiny-v4", "goldens")
@@ -114,11 +115,11 @@ def test_bad_values_are_usage_errors(pytester, args, ini, message):
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_x(): pass")
-    r = pytester.runpytest_inprocess(*args)
+    r = run(pytester, *args)
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines([f"ERROR: {message}"])
 
 
 def test_regen_may_target_a_new_goldens_folder(pytester):
     pytester.makepyfile("def test_x(): pass")
-    pytester.runpytest_inprocess("--cdna2-regen-goldens", "--cdna2-goldens=new").assert_outcomes(passed=1)
+    run(pytester, "--cdna2-regen-goldens", "--cdna2-goldens=new").assert_outcomes(passed=1)

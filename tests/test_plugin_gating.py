@@ -1,0 +1,118 @@
+"""Perf gating and the per-tier terminal summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_plugin_fake_engine import FAST
+from test_plugin_fake_engine import run_inprocess as run
+
+TESTS = """
+import pytest
+
+@pytest.mark.perf
+def test_bench():
+    print("PERF RAN")
+
+@pytest.mark.token
+@pytest.mark.parametrize("ok", [True, {ok2}])
+def test_tokens(ok, cdna2_record):
+    cdna2_record("kl_max", 1e-4 if ok else 2e-2, 1e-3, what="prompt p00")
+    cdna2_record("top1", 1.0 if ok else 0.5, 1.0, higher_is_better=True)
+    assert ok
+
+@pytest.mark.kernel
+def test_kernel(cdna2_record):
+    cdna2_record("rel_fro", 3e-6, 1e-5)
+
+def test_untiered():
+    pass
+"""
+
+
+def test_perf_runs_last_when_everything_passed(pytester):
+    pytester.makepyfile(TESTS.format(ok2=True))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-v", "-s")
+    r.assert_outcomes(passed=5)
+    lines = [line for line in r.outlines if "::" in line and ("PASSED" in line or "PERF RAN" in line)]
+    assert "test_bench" in lines[-1]  # defined first in the file, run last
+
+
+def test_perf_skipped_naming_the_failed_tests(pytester):
+    pytester.makepyfile(TESTS.format(ok2=False))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(passed=3, failed=1, skipped=1)
+    r.stdout.fnmatch_lines([
+        "SKIPPED [[]1[]] *cdna2 perf: skipped because 1 correctness test(s) failed: "
+        "test_perf_skipped_naming_the_failed_tests.py::test_tokens[[]False[]]"
+    ])
+    assert "PERF RAN" not in r.stdout.str()
+
+
+def test_perf_skipped_on_cpu(pytester):
+    pytester.makepyfile(TESTS.format(ok2=True))
+    r = run(pytester, "--cdna2-device=cpu", "-rs")
+    r.assert_outcomes(passed=4, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: the device is the CPU; perf numbers need a GPU (--cdna2-device=N)"])
+
+
+def test_a_setup_error_also_gates_perf(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("no")
+        def test_needs(broken):
+            pass
+        @pytest.mark.perf
+        def test_bench():
+            pass
+        """
+    )
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(errors=1, skipped=1)
+    r.stdout.fnmatch_lines(["*correctness test(s) failed: test_a_setup_error_also_gates_perf.py::test_needs"])
+
+
+def test_terminal_summary_per_tier_with_worst_metric(pytester):
+    pytester.makepyfile(TESTS.format(ok2=False))
+    r = run(pytester, "--cdna2-perf-on-cpu")
+    r.stdout.fnmatch_lines([
+        "*cdna2 summary*",
+        "kernel       1 passed, 0 failed, 0 skipped",
+        "    worst rel_fro 3.000e-06 (limit <= 1.000e-05, ok) in *::test_kernel",
+        "token        1 passed, 1 failed, 0 skipped",
+        "    worst kl_max 2.000e-02 (limit <= 1.000e-03, FAIL) in *::test_tokens[[]False[]] [[]prompt p00[]]",
+        "    worst top1 5.000e-01 (limit >= 1.000e+00, FAIL) in *::test_tokens[[]False[]]",
+        "perf         0 passed, 0 failed, 1 skipped",
+        "    cdna2 perf: skipped because 1 correctness test(s) failed: *",
+    ])
+
+
+def test_no_summary_without_tiered_tests(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    assert "cdna2 summary" not in run(pytester).stdout.str()
+
+
+def test_metrics_land_in_junit_xml(pytester):
+    pytester.makepyfile(TESTS.format(ok2=True))
+    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=4, skipped=1)
+    xml = (pytester.path / "out.xml").read_text()
+    assert '<property name="cdna2_metric" value="{' in xml and "'metric': 'kl_max', 'value': 0.0001" in xml
+
+
+@pytest.mark.skipif("xdist" not in sys.modules and not __import__("importlib").util.find_spec("xdist"),
+                    reason="needs pytest-xdist")
+def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, monkeypatch):
+    pytester.makepyfile(TESTS.format(ok2=True))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    r = pytester.runpytest_subprocess("-n", "1", "--cdna2-perf-on-cpu", "-rs", *FAST, "-p", "no:benchmark")
+    r.assert_outcomes(passed=4, skipped=1)
+    r.stdout.fnmatch_lines([
+        "token        2 passed, 0 failed, 0 skipped",
+        "    worst kl_max 1.000e-04 (limit <= 1.000e-03, ok) in *",
+        "*cdna2 perf: gated on the whole session, which xdist splits over workers; run the perf tier without -n*",
+    ])
