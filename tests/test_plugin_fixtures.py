@@ -1,0 +1,125 @@
+"""The fixtures with a fake user engine (--cdna2-engine=module:factory) and a real golden store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import test_plugin_fake_engine as fake
+from test_plugin_fake_engine import make_model, write_fake_model
+from test_plugin_fake_engine import run_inprocess as run
+
+from pytest_cdna2 import plugin
+from pytest_cdna2.goldens import DEFAULT_PROMPTS, GoldenStore, build_goldens, sha256_file
+
+ENGINE = "--cdna2-engine=test_plugin_fake_engine:make_model"
+
+TOKEN_TEST = """
+from pytest_cdna2.compare import assert_logits_close
+
+def test_teacher_forced(cdna2_engine, cdna2_golden, cdna2_tolerance, cdna2_record):
+    for p in cdna2_golden.prompts:
+        ids = cdna2_golden.input_ids(p.name)[None]
+        m = assert_logits_close(cdna2_engine.forward(ids)[0], cdna2_golden.teacher_logits(p.name),
+                                limits=cdna2_tolerance.token, what=f"prompt {p.name}")
+        cdna2_record("kl_max", m.kl_max, cdna2_tolerance.token.kl_max, what=p.name)
+
+def test_second(cdna2_golden):
+    assert cdna2_golden.steps == 4
+"""
+
+
+@pytest.fixture
+def store(pytester):
+    """Model A at ./a, model B at ./b, goldens of A at ./goldens."""
+    a = write_fake_model(pytester.path / "a", seed=1)
+    write_fake_model(pytester.path / "b", seed=2)
+    build_goldens(a, pytester.path / "goldens", [b"hello", b"def f("], 4, model=make_model(str(a)), progress=False)
+    pytester.makepyfile(TOKEN_TEST)
+    return pytester.path / "goldens"
+
+
+def test_engine_is_loaded_once_on_the_device_with_the_backend(pytester):
+    folder = write_fake_model(pytester.path / "m", seed=0)
+    pytester.makepyfile(
+        """
+        import torch
+        def test_one(cdna2_engine, cdna2_device):
+            assert cdna2_device == torch.device("cpu") and cdna2_engine.device == cdna2_device
+        def test_two(cdna2_engine):
+            assert cdna2_engine.config.vocab_size == 260
+        """
+    )
+    before = len(fake.LOADS)
+    run(pytester, ENGINE, "--cdna2-model=m", "--cdna2-backend=triton").assert_outcomes(passed=2)
+    assert fake.LOADS[before:] == [(str(folder), "cpu", "triton")]
+
+
+def test_goldens_of_the_model_pass(pytester, store):
+    r = run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=goldens")
+    r.assert_outcomes(passed=2)
+
+
+def test_goldens_of_another_model_are_refused_and_stop_the_run(pytester, store):
+    r = run(pytester, ENGINE, "--cdna2-model=b", "--cdna2-goldens=goldens")
+    r.assert_outcomes(errors=1)  # the second test never runs
+    sha_a = make_model(str(pytester.path / "a")).checkpoint_sha256()
+    sha_b = make_model(str(pytester.path / "b")).checkpoint_sha256()
+    r.stdout.fnmatch_lines([
+        f"*cdna2: goldens at */goldens are for model sha256 {sha_a}, but the model under test has sha256 {sha_b}*",
+        "*Interrupted: cdna2: goldens at*",
+    ])
+
+
+def test_one_flipped_byte_stops_the_run_with_a_checksum_message(pytester, store):
+    f = store / "greedy.safetensors"
+    want = sha256_file(f)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    r = run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=goldens")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines([f"*golden file {f}: sha256 {sha256_file(f)} does not match manifest.json's {want}*"])
+
+
+def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, store):
+    r = run(pytester, ENGINE, "--cdna2-model=b", "--cdna2-goldens=goldens", "--cdna2-regen-goldens")
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.assert_outcomes(errors=2)
+    r.stdout.fnmatch_lines([
+        "*cdna2: goldens were rewritten at */goldens (2 prompts, 4 steps); this run fails on purpose: "
+        "rerun without --cdna2-regen-goldens",
+        "*goldens were rewritten at */goldens: the run fails; rerun without --cdna2-regen-goldens",
+    ])
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["model_sha256"] == make_model(str(pytester.path / "b")).checkpoint_sha256()
+    assert [bytes(p["tokens"]) for p in manifest["prompts"]] == [b"hello", b"def f("]  # prompts kept
+    assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".goldens")) == []
+    run(pytester, ENGINE, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
+
+
+def test_regen_into_a_new_folder_uses_the_default_prompts(pytester, store):
+    run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=fresh", "--cdna2-regen-goldens")
+    fresh = GoldenStore.open(pytester.path / "fresh")
+    assert (fresh.steps, len(fresh.prompts)) == (32, len(DEFAULT_PROMPTS))
+
+
+def test_missing_bundled_model_names_the_path(pytester, monkeypatch):
+    monkeypatch.setattr(plugin, "DEFAULT_MODEL", pytester.path / "no" / "model")
+    pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")
+    r = run(pytester)
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines([
+        f"*cdna2: model not found at {pytester.path / 'no' / 'model'}: the bundled model is not built yet; "
+        "pass --cdna2-model=DIR*"
+    ])
+
+
+def test_unimportable_engine_factory(pytester):
+    write_fake_model(pytester.path / "m")
+    pytester.makepyfile("def test_x(cdna2_engine): pass")
+    r = run(pytester, "--cdna2-engine=no_such_module_xyz:make", "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*cdna2: --cdna2-engine=no_such_module_xyz:make: cannot import 'no_such_module_xyz'*"])
+    r = run(pytester, "--cdna2-engine=test_plugin_fake_engine:nope", "--cdna2-model=m")
+    r.stdout.fnmatch_lines(["*'test_plugin_fake_engine' has no callable 'nope'*"])
