@@ -35,10 +35,17 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
-    device = torch.device(device)
-    if device.type != "cpu" and device.type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} asked for, but torch sees no GPU: use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device}: the engine runs on 'cpu' or 'cuda' (ROCm GPUs are 'cuda' in torch)")
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype {dtype} is not a float compute dtype: use one of {sorted(_DTYPES)}")
     cfg, weights = read_checkpoint(path)
     ops = get_ops(backend, reference_ops)
     return Model(cfg, weights, device=device, dtype=dtype, ops=ops, sha256=checkpoint_sha256(path))

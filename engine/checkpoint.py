@@ -135,7 +135,9 @@ class _Files:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("weight_map must map keys to shard file names")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e}): regenerate it") from None
             files = sorted(set(weight_map.values()))
         else:
@@ -157,6 +159,8 @@ class _Files:
                     from None
             self.handles[name] = h
             for k in keys:
+                if k in self.where:
+                    raise CheckpointError(f"{path}: key {k} also in {self.where[k]}: remove the duplicate file")
                 self.where[k] = name
         if weight_map is not None:
             for k, f in weight_map.items():
@@ -261,6 +265,7 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
         else:
             t = _read_plain(files, sp)
             out[sp.name] = QWeight(t, None, "dense") if sp.linear else t
+    _check_experts_uniform(files, out, cfg)
     unexpected = sorted(n for n in set(files.names) - expected if not files.names[n][0].startswith("mtp."))
     if unexpected:
         k = files.names[unexpected[0]][0]
@@ -268,6 +273,19 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
             f"{files.file_of(k)}: unexpected key {k} ({len(unexpected)} in all): the config.json does not match "
             f"these weights (check num_hidden_layers, compress_ratios, num_hash_layers, n_routed_experts)")
     return cfg, out
+
+
+def _check_experts_uniform(files: _Files, out: dict, cfg: Config) -> None:
+    """All routed experts of a projection must share storage: they are stacked into one tensor."""
+    for i in range(cfg.num_hidden_layers):
+        for w in ("w1", "w2", "w3"):
+            names = [f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts)]
+            first = out[names[0]]
+            for n in names[1:]:
+                q = out[n]
+                if (q.kind, q.data.dtype, q.data.shape) != (first.kind, first.data.dtype, first.data.shape):
+                    raise CheckpointError(f"{_where(files, n)} is stored as {q.kind} {q.data.dtype} but {names[0]} "
+                                          f"as {first.kind} {first.data.dtype}: store all experts alike")
 
 
 def _need(files: _Files, name: str) -> torch.Tensor:
@@ -321,6 +339,8 @@ def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
             raise CheckpointError(f"{swhere} has non-positive or non-finite scales: the scales are corrupt")
         if (torch.frexp(scale).mantissa != 0.5).any():
             raise CheckpointError(f"{swhere} has scales that are not powers of two: UE8M0 expected")
+        if (scale < 2.0**-127).any() or (scale > 2.0**127).any():
+            raise CheckpointError(f"{swhere} has scales outside the UE8M0 range 2^-127..2^127")
         scale = scale.to(torch.float8_e8m0fnu)
     elif (scale.view(torch.uint8) == 255).any():
         raise CheckpointError(f"{swhere} has NaN (0xFF) UE8M0 scales: the scales are corrupt")
@@ -419,9 +439,13 @@ def random_dense_state(cfg: Config, seed: int = 0) -> dict[str, torch.Tensor]:
 def convert_hf_checkpoint(src: str | Path, dst: str | Path) -> Path:
     """A transformers `save_pretrained` DeepSeek-V4 (fp32/bf16) into the official FP8/MXFP4 layout."""
     src, dst = Path(src), Path(dst)
-    if dst.exists() and any(dst.iterdir()):
-        raise CheckpointError(f"{dst}: exists and is not empty: choose a new output folder")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst}: exists and is not empty (or not a folder): choose a new output folder")
     cfg, weights = read_checkpoint(src)
+    packed = [k for k, v in weights.items() if isinstance(v, QWeight) and v.kind != "dense"]
+    if packed:
+        raise CheckpointError(f"{src}: key {packed[0]} is already quantized: this folder is in the official "
+                              "layout already, no conversion needed")
     dense = {k: (v.data if isinstance(v, QWeight) else v) for k, v in weights.items()}
     write_checkpoint(dst, cfg, quantize_state(cfg, dense))
     return dst

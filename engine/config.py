@@ -64,6 +64,11 @@ class Config:
     quantization_config: dict | None = field(default_factory=lambda: dict(QUANTIZATION_CONFIG))
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            want = {"int": int, "float": (int, float), "str": str, "list[int]": list}.get(str(f.type))
+            if want and (not isinstance(v, want) or isinstance(v, bool)):
+                raise ConfigError(f"config: field {f.name} must be {f.type}, got {v!r}")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
@@ -79,6 +84,8 @@ class Config:
             raise ConfigError("config: qk_rope_head_dim must be even and <= head_dim and index_head_dim")
         if self.hidden_size % 32 or self.moe_intermediate_size % 32:
             raise ConfigError("config: hidden_size and moe_intermediate_size must be multiples of 32 (MXFP4 groups)")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ConfigError(f"config: num_experts_per_tok {self.num_experts_per_tok} outside 1..n_routed_experts")
         if not 0 <= self.num_hash_layers <= n:
             raise ConfigError(f"config: num_hash_layers {self.num_hash_layers} outside 0..{n}")
 
@@ -92,7 +99,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> Config:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: not a JSON object: expected {{\"hidden_size\": ..., ...}}")
         d = dict(d)
+        bad_types = [t for t in d.get("layer_types") or [] if t not in _RATIO_OF_TYPE]
+        if bad_types:
+            raise ConfigError(f"{source}: layer_types entries {bad_types} unknown: use {sorted(_RATIO_OF_TYPE)}")
         if "compress_ratios" not in d and "layer_types" in d:
             d["compress_ratios"] = [_RATIO_OF_TYPE[t] for t in d["layer_types"]]
         if "num_hash_layers" not in d and "mlp_layer_types" in d:

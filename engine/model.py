@@ -41,7 +41,16 @@ class Trace:
 class Generation:
     tokens: torch.Tensor  # [B, n] the new tokens
     logits: torch.Tensor  # [B, n, vocab] the logits that chose each of them
-    taps: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, n, hc, D]
+    taps: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, n, ...] at each new token
+
+
+TAP_KINDS = ("attn_in", "attn_out", "attn", "ffn_in", "ffn_out", "ffn")
+
+
+def tap_names(num_layers: int) -> list[str]:
+    """Every tap in forward order: per layer the collapsed attention input [B, T, D] (after mHC's pre
+    mix), the attention output [B, T, D], the streams after mHC's post mix [B, T, hc, D]; same for the MoE."""
+    return [f"{i}.{k}" for i in range(num_layers) for k in TAP_KINDS]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -283,7 +292,7 @@ class Model:
     def trace(self, input_ids: torch.Tensor, *, taps: tuple[str, ...] | list[str] = (),
               selections: dict | None = None) -> Trace:
         """A full prefill that also records every sparse selection (with margins) and the named taps
-        ("L.attn", "L.ffn": the hyper-connection streams [B, T, hc, D] after layer L's attention / MoE)."""
+        (see `tap_names`: e.g. "L.attn", "L.ffn", the hyper-connection streams after layer L's blocks)."""
         self._check_taps(taps)
         ctx = _Ctx(selections, True, tuple(taps))
         logits = self.step(input_ids, self.new_cache(), ctx)
@@ -312,11 +321,11 @@ class Model:
         )
 
     def _check_taps(self, taps) -> None:
-        valid = {f"{i}.{k}" for i in range(self.cfg.num_hidden_layers) for k in ("attn", "ffn")}
+        valid = set(tap_names(self.cfg.num_hidden_layers))
         bad = sorted(set(taps) - valid)
         if bad:
             last = self.cfg.num_hidden_layers - 1
-            raise ValueError(f"unknown tap(s) {bad}: use 'L.attn' or 'L.ffn' with L in 0..{last}")
+            raise ValueError(f"unknown tap(s) {bad}: use 'L.<{'|'.join(TAP_KINDS)}>' with L in 0..{last}")
 
     # ------------------------------------------------------------------------------------------ math
     def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None) -> torch.Tensor:
@@ -335,11 +344,15 @@ class Model:
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
             post, comb, xin = self._hc_pre(h, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
+            ctx.tap(f"{i}.attn_in", xin)
             a = self.attn[i](ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps), cache.layers[i], pos, ctx)
+            ctx.tap(f"{i}.attn_out", a)
             h = self._hc_post(a, h, post, comb)
             ctx.tap(f"{i}.attn", h)
             post, comb, xin = self._hc_pre(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"])
+            ctx.tap(f"{i}.ffn_in", xin)
             f = self.moe[i](ops.rms_norm(xin, w[p + "ffn_norm.weight"], cfg.rms_norm_eps), ids, ctx)
+            ctx.tap(f"{i}.ffn_out", f)
             h = self._hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
         cache.pos += S

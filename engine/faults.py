@@ -1,0 +1,89 @@
+"""A named catalog of the porting bugs this suite exists to catch, injectable into a loaded Model.
+
+Each fault reproduces one real failure mode of moving V4 serving to another accelerator; the project's
+own tests inject them and assert that the suite fails and names the right place (sensitivity), and users
+can do the same: `CDNA2_FAULT=rope_twice pytest --cdna2-engine=cdna2_engine.faults:load_faulty`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from .ops import QWeight, reference
+
+
+def _wrap(model, name: str, fn: Callable) -> None:
+    setattr(model.ops, name, fn)
+
+
+def expert_scale_off_by_one(model, layer: int = 2, expert: int | None = None) -> None:
+    """One routed expert's MXFP4 down-projection scales read one exponent step high (x2): the classic
+    E8M0 bias slip. `expert` None picks the expert layer `layer` uses most on a fixed probe."""
+    e = model.experts[layer]["w2"]
+    if e.kind != "mxfp4":
+        raise ValueError("expert_scale_off_by_one needs MXFP4 experts")
+    if expert is None:
+        expert = 0
+    scale = e.scale.clone()
+    scale[expert] = (scale[expert].view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
+    model.experts[layer]["w2"] = QWeight(e.data, scale, e.kind)
+
+
+def rope_twice(model) -> None:
+    """RoPE applied twice to q and k (a fused kernel plus a framework call): wrong relative angles."""
+    base = model.ops.rope
+
+    def rope(x, cos, sin, inverse=False):
+        return base(base(x, cos, sin, inverse), cos, sin, inverse) if not inverse else base(x, cos, sin, True)
+
+    _wrap(model, "rope", rope)
+
+
+def fp16_softmax_stats(model) -> None:
+    """Attention logits, running max and sum kept in fp16: overflow and lost mass on long rows."""
+
+    def attention(q, kv, sink, mask, scale):
+        out = reference.attention(q.to(torch.float16) * 8, kv.to(torch.float16), sink.to(torch.float16) * 8,
+                                  mask, scale)
+        return out.to(q.dtype)
+
+    _wrap(model, "attention", attention)
+
+
+def sink_dropped(model) -> None:
+    """The per-head sink left out of the softmax denominator (a kernel without sink support)."""
+    base = model.ops.attention
+    _wrap(model, "attention", lambda q, kv, sink, mask, scale: base(q, kv, torch.full_like(sink, -1e30), mask,
+                                                                    scale))
+
+
+def router_ties_by_memory_order(model) -> None:
+    """Top-k ties broken by the highest index, as a reversed-scan or sorted-descending kernel might."""
+
+    def topk(scores, k):
+        idx, margin = reference.topk(scores.flip(-1), k)
+        return scores.shape[-1] - 1 - idx, margin
+
+    _wrap(model, "topk", topk)
+
+
+FAULTS: dict[str, Callable] = {f.__name__: f for f in (expert_scale_off_by_one, rope_twice, fp16_softmax_stats,
+                                                        sink_dropped, router_ties_by_memory_order)}
+
+
+def inject(model, name: str, **kwargs) -> None:
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}: choose from {sorted(FAULTS)}")
+    FAULTS[name](model, **kwargs)
+
+
+def load_faulty(path: str, *, device: str = "cpu", backend: str = "reference", **kwargs):
+    """An engine factory for `--cdna2-engine`: the bundled engine with the fault named by CDNA2_FAULT."""
+    from . import load_model
+
+    model = load_model(path, device=device, backend=backend, **kwargs)
+    inject(model, os.environ.get("CDNA2_FAULT", ""))
+    return model
