@@ -1,0 +1,107 @@
+"""The ``cdna2`` console script: subcommands, exit codes, one-line errors (the engine is the fake one)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from test_plugin_fake_engine import make_model, write_fake_model
+
+import cdna2_engine
+from pytest_cdna2.cli import main
+from pytest_cdna2.goldens import GoldenStore
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, tmp_path):
+    """cdna2_engine.load_model -> the fake engine; returns a fake checkpoint folder."""
+    monkeypatch.setattr(cdna2_engine, "load_model", make_model)
+    return write_fake_model(tmp_path / "model", seed=3)
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cdna2: error: "), err
+    return err
+
+
+def test_info_lists_devices(capsys):
+    assert main(["info"]) == 0
+    assert capsys.readouterr().out.startswith("cpu (")
+
+
+@pytest.mark.parametrize("argv", [[], ["goldens"], ["goldens", "build", "--model", "m"], ["convert", "--hf", "x"],
+                                  ["goldens", "build", "--model", "m", "--out", "o", "--steps", "many"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert "usage: cdna2" in capsys.readouterr().err
+
+
+def test_goldens_build_then_verify(fake_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["hello", "import os"]))
+    out = tmp_path / "g"
+    argv = ["goldens", "build", "--model", str(fake_engine), "--out", str(out), "--prompts", str(prompts),
+            "--steps", "3", "--quiet"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"wrote 2 prompts x 3 steps to {out} (")
+    store = GoldenStore.open(out, expected_model_sha256=make_model(str(fake_engine)).checkpoint_sha256())
+    assert store.manifest["dtype"] == "float64" and store.manifest["backend"] == "reference"
+
+    assert main(argv) == 2  # never overwrites silently
+    assert "goldens already exist at" in _err(capsys)
+    assert main(argv + ["--regen"]) == 0
+    capsys.readouterr()
+
+    assert main(["goldens", "verify", str(out), "--model", str(fake_engine)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {out}: 4 files verified, 2 prompts, model sha256 ")
+    other = write_fake_model(tmp_path / "other", seed=4)
+    assert main(["goldens", "verify", str(out), "--model", str(other)]) == 1
+    assert "but the model under test has sha256" in _err(capsys)
+
+
+def test_goldens_verify_flipped_byte_exits_1(fake_engine, tmp_path, capsys):
+    out = tmp_path / "g"
+    assert main(["goldens", "build", "--model", str(fake_engine), "--out", str(out), "--steps", "1", "--quiet"]) == 0
+    f = out / "teacher.safetensors"
+    f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
+    assert main(["goldens", "verify", str(out)]) == 1
+    assert f"golden file {f}: sha256 " in _err(capsys)
+
+
+def test_bad_input_exits_2_with_one_line(fake_engine, tmp_path, capsys):
+    assert main(["goldens", "build", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "g")]) == 2
+    assert f"--model {tmp_path / 'nope'} is not a folder" in _err(capsys)
+    assert main(["goldens", "build", "--model", str(fake_engine), "--out", str(tmp_path / "g"), "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in _err(capsys)
+    bad = tmp_path / "p.json"
+    bad.write_text("{")
+    argv = ["goldens", "build", "--model", str(fake_engine), "--out", str(tmp_path / "g"), "--prompts", str(bad)]
+    assert main(argv) == 2
+    assert "not valid JSON" in _err(capsys)
+    assert main(["goldens", "verify", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in _err(capsys)
+    assert main(["convert", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "--hf" in _err(capsys)
+
+
+def test_convert_calls_the_engine(monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(cdna2_engine, "convert_hf_checkpoint", lambda src, dst: calls.append((src, dst)))
+    (tmp_path / "hf").mkdir()
+    assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "off")]) == 0
+    assert calls == [(str(tmp_path / "hf"), str(tmp_path / "off"))]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "full")]) == 2
+    assert "exists and is not empty" in _err(capsys)
+
+
+@pytest.mark.skipif(shutil.which("cdna2") is None, reason="console script not installed (pip install -e .)")
+def test_console_script_is_installed():
+    r = subprocess.run(["cdna2", "goldens"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "usage: cdna2 goldens" in r.stderr
