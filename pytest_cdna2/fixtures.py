@@ -127,7 +127,10 @@ def cdna2_device(pytestconfig: pytest.Config) -> torch.device:
         def test_matmul(cdna2_device):
             x = torch.randn(64, 64, device=cdna2_device)
     """
-    return torch.device(_settings(pytestconfig).device)
+    device = torch.device(_settings(pytestconfig).device)
+    if device.type == "cuda":  # pin: kernels launched on "cuda" without an index land on this GCD too
+        torch.cuda.set_device(device)
+    return device
 
 
 @pytest.fixture(scope="session")
@@ -165,6 +168,7 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
             logits = cdna2_engine.forward(torch.tensor([[104, 105]], device=cdna2_engine.device))
     """
     s = _settings(request.config)
+    request.getfixturevalue("cdna2_device")  # pins the GPU first
     if not s.model.exists():
         hint = "the bundled model is not built yet; " if s.model_is_default else ""
         _stop(request, f"cdna2: model not found at {s.model}: {hint}pass --cdna2-model=DIR")

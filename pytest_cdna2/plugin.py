@@ -139,10 +139,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_GATE] = PerfGate()
     config.stash[_TALLY] = TierTally()
     config.pluginmanager.register(_Recorder(config.stash[_GATE], config.stash[_TALLY]), "cdna2-recorder")
-    if settings.device.startswith("cuda"):
-        import torch
-
-        torch.cuda.set_device(torch.device(settings.device))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -168,7 +164,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         device=s.device, xdist_worker=hasattr(item.config, "workerinput"), perf_on_cpu=s.perf_on_cpu
     )
     if reason:
-        pytest.skip(reason)
+        raise pytest.skip.Exception(reason, _use_item_location=True)  # -rs shows the test, not this line
 
 
 class _Recorder:
