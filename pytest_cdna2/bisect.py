@@ -1,0 +1,84 @@
+"""Where did it go wrong: the first layer and sub-block whose hidden state drifts past its limit, and on
+the triton backend the first kernel whose switch back to its reference removes the error.
+
+Taps are compared in forward order (engine.model.tap_names): per layer the mHC pre-mix (attention input),
+the attention output, the mHC post-mix, then the same for the MoE. The first tap over the limit names the
+sub-block that introduced the error, since everything before it was still within limits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BLOCKS = {
+    "attn_in": "hyper-connection (pre-attention mix)",
+    "attn_out": "attention",
+    "attn": "hyper-connection (post-attention mix)",
+    "ffn_in": "hyper-connection (pre-MoE mix)",
+    "ffn_out": "MoE",
+    "ffn": "hyper-connection (post-MoE mix)",
+}
+_ORDER = {k: i for i, k in enumerate(BLOCKS)}
+
+
+@dataclass(frozen=True)
+class Drift:
+    tap: str
+    layer: int
+    block: str
+    rel: float
+    limit: float
+
+    def __str__(self) -> str:
+        return (f"first drift at layer {self.layer} {self.block} (tap {self.tap}: rel. Frobenius error "
+                f"{self.rel:.2e} > {self.limit:.1e})")
+
+
+def tap_order(names) -> list[str]:
+    """Tap names sorted in forward order; names that are not 'L.kind' are dropped."""
+    parsed = [(int(m[1]), _ORDER[m[2]], n) for n in names if (m := re.fullmatch(r"(\d+)\.(\w+)", n))
+              and m[2] in _ORDER]
+    return [n for *_, n in sorted(parsed)]
+
+
+def rel_fro(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).norm() / e.norm().clamp_min(1e-300)).item()
+
+
+def first_drift(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], limit: float) -> Drift | None:
+    """The earliest tap (forward order) whose relative Frobenius error exceeds `limit`, or None."""
+    for name in tap_order(expected):
+        if name not in actual:
+            continue
+        r = rel_fro(actual[name].reshape(expected[name].shape), expected[name])
+        if r > limit:
+            layer, kind = name.split(".")
+            return Drift(name, int(layer), BLOCKS[kind], r, limit)
+    return None
+
+
+def locate(engine, input_ids: torch.Tensor, golden_taps: dict[str, torch.Tensor], limit: float,
+           selections: dict | None = None) -> Drift | None:
+    """Rerun `engine` (Model API with `trace`) on one prompt and name its first drifting tap."""
+    names = tap_order(golden_taps)
+    tr = engine.trace(input_ids, taps=names, selections=selections)
+    return first_drift({k: v[0] for k, v in tr.taps.items()}, golden_taps, limit)
+
+
+def kernel_culprit(load: Callable[[list[str]], object], passes: Callable[[object], bool],
+                   op_names: tuple[str, ...] | None = None) -> str | None:
+    """The first op whose switch back to the reference makes `passes` true: `load(reference_ops)` builds a
+    triton-backend engine with those ops taken from the reference. None when no single op explains it."""
+    if op_names is None:
+        from cdna2_engine.ops import OP_NAMES as op_names
+    for op in op_names:
+        if passes(load([op])):
+            return op
+    return None

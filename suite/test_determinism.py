@@ -1,0 +1,67 @@
+"""Determinism tier: the same input gives the same output (fixed reduction order, no float atomics), a row
+does not depend on its batch neighbours, incremental decode reproduces the prefill, devices agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.determinism
+
+PROMPT = b"def find(self, key):\n    for i, item in enumerate(self.items):\n        if item == key:\n"
+
+
+def _ids(engine, text: bytes = PROMPT, repeat: int = 1) -> torch.Tensor:
+    vocab = engine.config.vocab_size
+    return torch.tensor([[b % vocab for b in text * repeat]], device=engine.device)
+
+
+def test_repeat_runs_are_bit_identical(cdna2_engine, cdna2_tolerance, cdna2_record):
+    ids = _ids(cdna2_engine, repeat=3)
+    a, b = cdna2_engine.forward(ids), cdna2_engine.forward(ids)
+    diff = (a - b).abs().max().item()
+    cdna2_record("repeat_max_abs", diff, cdna2_tolerance.determinism.repeat_max_abs)
+    assert diff <= cdna2_tolerance.determinism.repeat_max_abs, f"two identical runs differ by {diff:.3e}"
+
+
+def test_batch_of_one_matches_batch_of_many(cdna2_engine, cdna2_tolerance, cdna2_record):
+    ids = _ids(cdna2_engine, repeat=2)
+    g = torch.Generator().manual_seed(0)
+    others = torch.randint(0, cdna2_engine.config.vocab_size, (3, ids.shape[1]), generator=g).to(ids.device)
+    alone = cdna2_engine.forward(ids)
+    for row in range(4):  # the prompt at every batch position
+        batch = torch.cat([others[:row], ids, others[row:]], 0)
+        together = cdna2_engine.forward(batch)[row:row + 1]
+        diff = (alone - together).abs().max().item()
+        cdna2_record("batch_max_abs", diff, cdna2_tolerance.determinism.batch_max_abs, what=f"row {row}")
+        assert diff <= cdna2_tolerance.determinism.batch_max_abs, f"row {row} of a batch of 4 differs by {diff:.3e}"
+
+
+def test_incremental_decode_matches_prefill(cdna2_engine, cdna2_tolerance, cdna2_record):
+    """Greedy decode (prefill + one step per token) against one prefill of the same tokens; the prompt is
+    long enough to wrap the sliding window and close compression windows during the decode."""
+    ids = _ids(cdna2_engine, repeat=2)
+    gen = cdna2_engine.generate(ids, 40)
+    full = cdna2_engine.forward(torch.cat([ids, gen.tokens], 1)[:, :-1])[:, ids.shape[1] - 1:]
+    diff = (gen.logits.float() - full.float()).abs().max().item()
+    limit = cdna2_tolerance.determinism.incremental_max_abs
+    cdna2_record("incremental_max_abs", diff, limit)
+    assert diff <= limit, f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"
+
+
+def test_devices_agree(cdna2_devices, cdna2_settings, cdna2_tolerance, cdna2_record):
+    """The same model on every selected device (GCD vs GCD) gives the same logits."""
+    if len(cdna2_devices) < 2:
+        pytest.skip("needs several devices: --cdna2-device=N,M or all")
+    from pytest_cdna2.fixtures import load_engine
+
+    s = cdna2_settings
+    outs = []
+    for dev in cdna2_devices:
+        eng = load_engine(s.engine, s.model, str(dev), s.backend)
+        outs.append(eng.forward(_ids(eng)).cpu())
+    for dev, out in zip(cdna2_devices[1:], outs[1:], strict=True):
+        diff = (out - outs[0]).abs().max().item()
+        cdna2_record("device_max_abs", diff, cdna2_tolerance.determinism.device_max_abs, what=str(dev))
+        limit = cdna2_tolerance.determinism.device_max_abs
+        assert diff <= limit, f"{dev} differs from {cdna2_devices[0]} by {diff:.3e}"
