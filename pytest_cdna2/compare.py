@@ -12,6 +12,7 @@ compared (prompt, step, layer: the caller's ``what``), which metric failed, its 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ __all__ = [
     "assert_tensors_close",
     "assert_logits_close",
     "token_divergence",
+    "SelectionDiff",
+    "selection_diff",
     "LOGIT_LIMIT_KEYS",
 ]
 
@@ -295,3 +298,51 @@ def token_divergence(actual_tokens: Any, expected_tokens: Any) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(e) else min(len(a), len(e))
+
+
+@dataclass(frozen=True)
+class SelectionDiff:
+    """Where sparse top-k selections differ, as ``(layer, kind, position)``, split by the golden's margin.
+
+    A flip where the golden's k-th/(k+1)-th score margin is below ``tie_margin`` is rounding at a near-tie
+    (judge that step again with the golden's selections forced in); any other flip is a real difference.
+    """
+
+    near_tie: tuple[tuple[int, str, int], ...]
+    real: tuple[tuple[int, str, int], ...]
+    compared: int  # positions compared over all (layer, kind)
+
+    @property
+    def first_real(self) -> tuple[int, str, int] | None:
+        """The real flip at the earliest position (then lowest layer): where to start looking."""
+        return min(self.real, key=lambda f: (f[2], f[0], f[1])) if self.real else None
+
+
+def _rows(t: Any, name: str) -> torch.Tensor:
+    t = torch.as_tensor(t).detach().cpu()
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2:
+        raise ValueError(f"{name} indices must be [T, k] or [1, T, k], got shape {tuple(t.shape)}")
+    return t.long().sort(-1).values  # a selection is a set: order within the top-k does not matter
+
+
+def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
+    """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k]; expected also ``.margin`` [T]).
+
+    Keys only in one map are an error: the engines disagree about which layers select at all.
+    """
+    if set(actual) != set(expected):
+        raise ValueError(f"selection keys differ: actual only {sorted(set(actual) - set(expected))}, "
+                         f"expected only {sorted(set(expected) - set(actual))}")
+    near, real, compared = [], [], 0
+    for key in sorted(expected):
+        a, e = _rows(actual[key].indices, "actual"), _rows(expected[key].indices, "expected")
+        if a.shape != e.shape:
+            raise ValueError(f"selection {key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        margin = expected[key].margin
+        margin = torch.full((e.shape[0],), math.inf) if margin is None else torch.as_tensor(margin).cpu().flatten()
+        compared += e.shape[0]
+        for t in (a != e).any(-1).nonzero().flatten().tolist():
+            (near if float(margin[t]) < tie_margin else real).append((key[0], key[1], t))
+    return SelectionDiff(tuple(near), tuple(real), compared)

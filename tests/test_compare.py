@@ -169,3 +169,25 @@ def test_token_divergence():
     assert token_divergence([1, 2, 3], [1, 2, 4]) == 2
     assert token_divergence(torch.tensor([1, 2]), torch.tensor([1, 2])) is None
     assert token_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_selection_diff_splits_near_ties_from_real_flips():
+    from types import SimpleNamespace as S
+
+    from pytest_cdna2.compare import selection_diff
+
+    golden = {
+        (0, "router"): S(indices=torch.tensor([[0, 1], [2, 3], [1, 2]]), margin=torch.tensor([0.5, 1e-6, 0.5])),
+        (1, "indexer"): S(indices=torch.tensor([[4, 5], [5, 6], [6, 7]]), margin=torch.tensor([0.5, 0.5, 0.5])),
+    }
+    engine = {
+        (0, "router"): S(indices=torch.tensor([[[1, 0], [2, 4], [1, 2]]]), margin=None),  # [1, T, k]; order free
+        (1, "indexer"): S(indices=torch.tensor([[4, 5], [5, 6], [6, 0]]), margin=None),
+    }
+    d = selection_diff(engine, golden, tie_margin=1e-4)
+    # step 1 of layer 0 flips at margin 1e-6 < 1e-4: a near-tie; step 2 of layer 1 flips at margin 0.5: real
+    assert d.near_tie == ((0, "router", 1),) and d.real == ((1, "indexer", 2),)
+    assert d.compared == 6 and d.first_real == (1, "indexer", 2)
+    assert selection_diff(golden, golden, tie_margin=0.0).first_real is None
+    with pytest.raises(ValueError, match="selection keys differ"):
+        selection_diff({}, golden, tie_margin=0.0)
