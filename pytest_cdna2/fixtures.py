@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,8 +214,10 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
 
 
 @pytest.fixture
-def cdna2_record(request: pytest.FixtureRequest) -> Callable[..., bool]:
-    """Record a metric against its limit for the summary and JUnit XML; returns whether it is within.
+def cdna2_record(request: pytest.FixtureRequest) -> Iterator[Callable[..., bool]]:
+    """Record a metric against its limit for the summary, JUnit XML and Allure (a CSV attachment).
+
+    The recorder returns whether the value is within its limit; it does not fail the test by itself.
 
     Example::
 
@@ -231,4 +233,5 @@ def cdna2_record(request: pytest.FixtureRequest) -> Callable[..., bool]:
         return report.record_metric(request.node, metric, value, limit, higher_is_better=higher_is_better,
                                     what=what)
 
-    return record
+    yield record
+    report.attach_to_allure(request.node)

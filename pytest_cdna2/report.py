@@ -18,6 +18,8 @@ __all__ = [
     "TIERS",
     "METRIC_PROPERTY",
     "record_metric",
+    "metrics_csv",
+    "attach_to_allure",
     "Metric",
     "PerfGate",
     "TierTally",
@@ -92,6 +94,31 @@ def metrics_of(nodeid: str, user_properties: Iterable[Any]) -> list[Metric]:
             op, what = d.get("op", "<="), d.get("what", "")
             out.append(Metric(nodeid, d["metric"], d["value"], d["limit"], op, what))
     return out
+
+
+def metrics_csv(metrics: Iterable[Metric]) -> str:
+    """The metrics as CSV (metric, value, op, limit, ok, what) for reports."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["metric", "value", "op", "limit", "ok", "what"])
+    for m in metrics:
+        w.writerow([m.metric, repr(m.value), m.op, repr(m.limit), m.ok, m.what])
+    return buf.getvalue()
+
+
+def attach_to_allure(item: pytest.Item) -> None:
+    """Attach the item's metrics as CSV when allure-pytest is installed (a no-op without --alluredir)."""
+    metrics = metrics_of(item.nodeid, item.user_properties)
+    if not metrics:
+        return
+    try:
+        import allure
+    except ImportError:
+        return
+    allure.attach(metrics_csv(metrics), name="cdna2 metrics", attachment_type=allure.attachment_type.CSV)
 
 
 def tier_of(keywords: Iterable[str]) -> str | None:

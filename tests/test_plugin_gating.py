@@ -119,3 +119,12 @@ def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, mo
         "    worst kl_max 1.000e-04 (limit <= 1.000e-03, ok) in *",
         "*cdna2 perf: gated on the whole session, which xdist splits over workers; run the perf tier without -n*",
     ])
+
+
+def test_metrics_are_attached_to_allure_as_csv(pytester):
+    pytest.importorskip("allure")
+    pytester.makepyfile(TESTS.format(ok2=True))
+    run(pytester, "--alluredir=allure").assert_outcomes(passed=4, skipped=1)
+    csvs = [p.read_text() for p in (pytester.path / "allure").glob("*-attachment.csv")]
+    assert len(csvs) == 3  # test_tokens x2 and test_kernel
+    assert "metric,value,op,limit,ok,what\nrel_fro,3e-06,<=,1e-05,True,\n" in csvs
