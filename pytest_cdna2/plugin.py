@@ -33,6 +33,8 @@ from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by b
 from pytest_cdna2.report import TIERS, PerfGate, TierTally
 from pytest_cdna2.tolerance import ToleranceError, load_profile
 
+__all__ = ["BUNDLED", "DEFAULT_MODEL", "DEFAULT_GOLDENS", "MARKERS", "TIERS", "resolve_settings"]
+
 BUNDLED = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 DEFAULT_MODEL = BUNDLED / "model"
 DEFAULT_GOLDENS = BUNDLED / "goldens"
@@ -197,5 +199,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             red=True,
         )
 
-
-__all__ = ["BUNDLED", "DEFAULT_MODEL", "DEFAULT_GOLDENS", "MARKERS", "TIERS", "resolve_settings"]
