@@ -104,7 +104,7 @@ def test_plugin_pins_xdist_worker_and_shows_header(pytester, gpus, monkeypatch):
             assert [str(d) for d in cdna2_devices] == ["cuda:0", "cuda:1"]
         """
     )
-    r = run(pytester, "--cdna2-device=0,1", "-p", "no:xdist", "-p", "no:benchmark")
+    r = run(pytester, "--cdna2-device=0,1", "-p", "no:xdist")
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines([
         "cdna2 device: cuda:0 AMD Instinct MI250X/MI250 gfx90a wave64 GCD 0 64.0 GiB HIP 6.2.41133",

@@ -18,8 +18,9 @@ import torch
 LOADS: list[tuple[str, str, str]] = []  # (path, device, backend) of every make_model call
 
 # pytester inner runs without two plugins that cost ~1.5 s a run here: unraisableexception's gc.collect() calls
-# (slow with torch imported) and hypothesis' summary hook (re-imports hypothesis, which pytester unloads).
-FAST = ("-p", "no:unraisableexception", "-p", "no:hypothesispytest")
+# (slow with torch imported) and hypothesis' summary hook (re-imports hypothesis, which pytester unloads); and
+# without pytest-benchmark, which warns in every inner run when the outer run uses xdist.
+FAST = ("-p", "no:unraisableexception", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 
 def run_inprocess(pytester, *args):
