@@ -119,3 +119,12 @@ def test_plugin_missing_gpu_is_a_usage_error(pytester, gpus):
     r = run(pytester, "--cdna2-device=3")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*--cdna2-device=3: GPU 3 does not exist (available: cpu; GPUs: 0)*"])
+
+
+def test_plugin_reads_the_device_from_ini(pytester, gpus):
+    from test_plugin_fake_engine import FAST
+
+    gpus(2)
+    pytester.makeini("[pytest]\ncdna2_device = 1\n")
+    pytester.makepyfile("def test_device(cdna2_device):\n    assert str(cdna2_device) == 'cuda:1'\n")
+    pytester.runpytest_inprocess(*FAST).assert_outcomes(passed=1)

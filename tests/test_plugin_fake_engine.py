@@ -24,8 +24,9 @@ FAST = ("-p", "no:unraisableexception", "-p", "no:hypothesispytest", "-p", "no:b
 
 
 def run_inprocess(pytester, *args):
-    """``pytester.runpytest_inprocess`` without the slow plugins."""
-    return pytester.runpytest_inprocess(*FAST, *args)
+    """``pytester.runpytest_inprocess`` without the slow plugins, on the CPU unless ``args`` say otherwise
+    (the default device is the first GPU where there is one)."""
+    return pytester.runpytest_inprocess(*FAST, "--cdna2-device=cpu", *args)
 
 
 @dataclass

@@ -112,7 +112,7 @@ def test_metrics_land_in_junit_xml(pytester):
 def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, monkeypatch):
     pytester.makepyfile(TESTS.format(ok2=True))
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
-    r = pytester.runpytest_subprocess("-n", "1", "--cdna2-perf-on-cpu", "-rs", *FAST)
+    r = pytester.runpytest_subprocess("-n", "1", "--cdna2-device=cpu", "--cdna2-perf-on-cpu", "-rs", *FAST)
     r.assert_outcomes(passed=4, skipped=1)
     r.stdout.fnmatch_lines([
         "token        2 passed, 0 failed, 0 skipped",
