@@ -75,10 +75,13 @@ def test_fp8_grouped_linear(dtype, b, s):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k,limit,words", [(1, 2, 7.0, True), (3, 3, 0.0, True), (9, 2, 1.5, False)])
-def test_moe_experts(dtype, t, k, limit, words, monkeypatch):
-    """words: the uint32-word decode (two codes per bit op) or the byte decode."""
-    monkeypatch.setitem(tri.MOE, "WORDS", words)
+@pytest.mark.parametrize(
+    "t,k,limit,variant", [(1, 2, 7.0, "words"), (3, 3, 0.0, "words"), (9, 2, 1.5, "bytes"), (1, 2, 7.0, "dot"),
+                          (9, 3, 1.5, "dot")])
+def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
+    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), or the tl.dot form."""
+    monkeypatch.setitem(tri.MOE, "WORDS", variant == "words")
+    monkeypatch.setitem(tri.MOE, "DOT", variant == "dot")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)
@@ -160,15 +163,16 @@ def test_index_scores(dtype, b, s, h, t):
 def test_backend_table_and_no_leak():
     """get_ops('triton') takes the kernels by name (topk stays the reference's), and interpreting leaves
     neither TRITON_INTERPRET nor a patched JITFunction behind."""
+    import triton.language as tl
     from triton.runtime.jit import JITFunction
 
-    before = (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__)
+    before = (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__, tl.core.arange, tl.arange, tl.core.add)
     ops = get_ops("triton")
     for name in ("linear", "grouped_linear", "rms_norm", "rope", "attention", "index_scores", "moe_experts"):
         assert getattr(ops, name) is getattr(tri, name)
     assert ops.topk is ref.topk
-    tri.rms_norm(torch.randn(2, 5), None, 1e-6)
-    assert (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__) == before
+    tri.rms_norm(torch.randn(2, 5), None, 1e-6)  # tl.sum inside: a triton.language @jit helper
+    assert (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__, tl.core.arange, tl.arange, tl.core.add) == before
     assert isinstance(tri.kernels.rms_norm_kernel, JITFunction)  # the compiled copy stays compiled
 
 

@@ -32,13 +32,21 @@ _AS_INTERPRETED: dict[int, object] = {}
 
 def _jit_call_interpreted(self, *args, **kwargs):
     """JITFunction.__call__ while interpreting: triton.language's own @jit helpers (tl.sum, tl.zeros, ...)
-    were decorated when triton was imported, normally without TRITON_INTERPRET; run them interpreted."""
-    from triton.runtime.interpreter import InterpretedFunction
+    were decorated when triton was imported, normally without TRITON_INTERPRET; run them interpreted.
+
+    Triton's own InterpretedFunction.__call__ patches the helper's language module (triton.language.core)
+    and never restores it (under TRITON_INTERPRET=1 nothing is ever compiled, so it need not); here the
+    patch is undone on return, or later compiles in this process (the ISA tier) would break."""
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 
     fn = _AS_INTERPRETED.get(id(self))
     if fn is None:
         fn = _AS_INTERPRETED[id(self)] = InterpretedFunction(self.fn)
-    return fn(*args, **kwargs)
+    scope = _patch_lang(self.fn)
+    try:
+        return fn.rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
 
 
 @contextlib.contextmanager
@@ -125,7 +133,8 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_GEMV_MAX_M = 4
 FP8_GEMV = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
-MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True}
+MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": False}
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4}
 
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -210,8 +219,21 @@ def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
+    if MOE["DOT"]:
+        bm = 16 if t * topk <= 16 * n_experts else 64
+    else:
+        bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
     return (bm, *moe_blocks(idx, n_experts, bm))
+
+
+def _moe_cfg(launch: _Launch, x: torch.Tensor) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_N, GROUPS, num_warps, WORDS, DOT) for this device and dtype."""
+    if MOE["DOT"]:
+        dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
+        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4} if launch.cpu else MOE_DOT
+        return c["BLOCK_N"], c["GROUPS"], c["num_warps"], False, dot
+    c = {"BLOCK_N": 16, "GROUPS": 4, "num_warps": 4} if launch.cpu else MOE
+    return c["BLOCK_N"], c["GROUPS"], c["num_warps"], MOE["WORDS"], -1
 
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
@@ -219,8 +241,7 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     bm, pair_tok, _, blk_e, blk_lo, blk_hi = plan
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
-    bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
-    words = MOE["WORDS"]
+    bn, groups, nw, words, dot = _moe_cfg(launch, x)
     d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
     launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
@@ -228,17 +249,18 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
            inter, d, float(limit or 0.0),
            x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
            HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words,
-           num_warps=nw)
+           DOT=dot, num_warps=nw)
     return h
 
 
-def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h."""
+def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
+             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h; with the dot
+    path h enters the dot in `dtype` (the activations' dtype)."""
     bm, _, pair_id, blk_e, blk_lo, blk_hi = plan
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
-    bn, groups, nw = (16, 4, 4) if launch.cpu else (MOE["BLOCK_N"], MOE["GROUPS"], MOE["num_warps"])
-    words = MOE["WORDS"]
+    bn, groups, nw, words, dot = _moe_cfg(launch, h.new_empty(0, dtype=dtype))
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
@@ -246,7 +268,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple) -
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words, num_warps=nw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words, DOT=dot, num_warps=nw)
     return c
 
 
@@ -266,7 +288,7 @@ def moe_experts(
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
-    c = moe_down(moe_gate_up(x, w1, w3, plan, limit), w2, weights, plan)
+    c = moe_down(moe_gate_up(x, w1, w3, plan, limit), w2, weights, plan, x.dtype)
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)
     bd = 1024
     _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=idx.shape[-1], BLOCK_D=bd,

@@ -2,10 +2,10 @@
 
 Portability rules kept here (DESIGN.md sections 4 and 6):
 - gfx90a has no FP8/FP4 units: E4M3 and E2M1 are decoded in registers with integer bit ops. A code's
-  magnitude bits are shifted into the exponent/mantissa fields of an fp16 (E4M3: value / 2^8, E2M1:
-  value / 2^14; the small codes land on fp16 subnormals), bitcast, converted to fp32 (exact) and the 2^8 /
-  2^14 factor is folded into the UE8M0 block scale, so no fp16/bf16 subnormal ever reaches a matrix unit
-  (MI200 MFMA flushes fp16/bf16 subnormals).
+  sign/exponent/mantissa bits are shifted into an fp32 (or, for the uint32-word decode, two fp16) bit
+  pattern whose value is the code's value times a power of two (small codes land on subnormals, which
+  both targets keep: the ISA tier checks the denormal mode), and one exact multiply restores the value.
+  The operand handed to a matrix unit is then a normal number (MI200 MFMA flushes fp16/bf16 subnormals).
 - Every dot and reduction accumulates in fp32; fp32 operands use `input_precision="ieee"` (no tf32).
 - No lane-count literal: block sizes are constexpr and Triton maps them onto num_warps x 32 (CUDA) or
   num_warps x 64 (gfx90a) lanes.
@@ -29,17 +29,19 @@ def _e8m0(s_u8, EXTRA: tl.constexpr):
 
 @triton.jit
 def _e4m3_f32(b_u8):
-    """E4M3 byte -> fp32 value / 2^8 (exact): fp16 bits s|eeee|mmm placed at 15|13..10|9..7."""
-    b = b_u8.to(tl.int16)
-    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
+    """E4M3 byte -> its exact fp32 value: bits s|eeee|mmm placed at 31|26..23|22..20 give value * 2^-120
+    (e = 0 codes land on fp32 subnormals, which both targets keep), times 2^120 (exact)."""
+    b = b_u8.to(tl.uint32)
+    f = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return f * 1.329227995784916e36  # 2^120
 
 
 @triton.jit
 def _e2m1_f32(c):
-    """E2M1 code (low 4 bits of an int16) -> fp32 value / 2^14 (exact): fp16 bits s|ee|m at 15|11..10|9."""
-    h = ((c & 0x7) << 9) | ((c & 0x8) << 12)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
+    """E2M1 code (low 4 bits of a uint32) -> its exact fp32 value: bits s|ee|m at 31|24..23|22 give
+    value * 2^-126 (the +-0.5 codes are fp32 subnormals), times 2^126."""
+    f = (((c & 0x7) << 22) | ((c & 0x8) << 28)).to(tl.float32, bitcast=True)
+    return f * 8.507059173023462e37  # 2^126
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ def fp8_gemv_kernel(
         w = _e4m3_f32(wb)  # [BN, BK]
         x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
-        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 8)
+        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
         acc += part * sc[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
@@ -111,7 +113,7 @@ def fp8_matmul_kernel(
         k_ok = kk < K
         x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wb = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0)
-        w = (_e4m3_f32(wb) * 256.0).to(x.dtype)  # exact E4M3 value, a normal number or zero
+        w = _e4m3_f32(wb).to(x.dtype)  # exact E4M3 value, a normal number or zero
         if IEEE:
             part = tl.dot(x, w, input_precision="ieee")
         else:
@@ -145,7 +147,7 @@ def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
         g_ok = gg < K // 32
         byte = gg[:, None] * 16 + offs_j[None, :]  # [G, 16]
         wmask = r_ok[:, None, None] & g_ok[None, :, None]
-        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.int16)
+        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.uint32)
         w_lo = _e2m1_f32(wb)  # [BN, G, 16]
         w_hi = _e2m1_f32(wb >> 4)
         xm = m_ok[:, None, None] & g_ok[None, :, None]
@@ -154,8 +156,38 @@ def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
         x_hi = tl.load(x_hi_base[:, None, None] + xo, mask=xm, other=0.0).to(tl.float32)
         part = tl.sum(x_lo[:, None, :, :] * w_lo[None, :, :, :] + x_hi[:, None, :, :] * w_hi[None, :, :, :],
                       axis=3)  # [BM, BN, G]
-        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 14)
+        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 0)
         acc += tl.sum(part * sc[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _mxfp4_tile_dot(w_base, s_base, x_base, K, r_ok, m_ok,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+    """Tensor-core / MFMA form: the decoded tile times its group scales, cast to the dot dtype (DOT: 0 fp32
+    IEEE, 1 bf16, 2 fp16), fed to tl.dot against BLOCK_M (>= 16) gathered rows; fp32 accumulator."""
+    offs_g = tl.arange(0, GROUPS)
+    offs_j = tl.arange(0, 16)
+    offs_k = tl.arange(0, GROUPS * 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        gg = g0 + offs_g
+        g_ok = gg < K // 32
+        byte = gg[:, None] * 16 + offs_j[None, :]
+        wmask = r_ok[:, None, None] & g_ok[None, :, None]
+        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.uint32)
+        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 0)
+        w = tl.join(_e2m1_f32(wb), _e2m1_f32(wb >> 4))  # [BN, G, 16, 2]: element 2j, 2j+1
+        w = tl.reshape(w, (BLOCK_N, GROUPS, 32)) * sc[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, GROUPS * 32))
+        kk = g0 * 32 + offs_k
+        x = tl.load(x_base[:, None] + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        if DOT == 0:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        elif DOT == 1:
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        else:
+            acc += tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
     return acc
 
 
@@ -212,7 +244,7 @@ def moe_gate_up_kernel(
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    WORDS: tl.constexpr = False,
+    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
     pid_n = tl.program_id(0)
@@ -230,7 +262,10 @@ def moe_gate_up_kernel(
         e64 = e.to(tl.int64)
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
-        if WORDS:  # w*_ptr are uint32 views, strides in words
+        if DOT >= 0:
+            g = _mxfp4_tile_dot(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+            u = _mxfp4_tile_dot(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+        elif WORDS:  # w*_ptr are uint32 views, strides in words
             g = _mxfp4_tile_gemv_w32(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
             u = _mxfp4_tile_gemv_w32(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
         else:
@@ -252,6 +287,7 @@ def moe_down_kernel(
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS: tl.constexpr = False,
+    DOT: tl.constexpr = -1,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
@@ -268,7 +304,9 @@ def moe_down_kernel(
         e64 = e.to(tl.int64)
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
-        if WORDS:
+        if DOT >= 0:
+            y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+        elif WORDS:
             y = _mxfp4_tile_gemv_w32(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
         else:
             y = _mxfp4_tile_gemv(w_at, s_at, h_row, h_row + 1, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
@@ -453,14 +491,18 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, True),
     ("moe_gate_up", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False), 4, False),
-    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False), 4, False),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
+    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
+    ("moe_gate_up_dot", moe_gate_up_kernel,
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
+    ("moe_down_dot", moe_down_kernel,
+     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
     ("moe_gate_up_w32", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
-          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True), 4, False),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True, DOT=-1), 4, False),
     ("moe_down_w32", moe_down_kernel,
-     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True),
-     4, False),
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True,
+          DOT=-1), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
     ("rms_norm", rms_norm_kernel,
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
