@@ -155,8 +155,17 @@ def correctness(results: dict) -> None:
         x = torch.randn(t, HID, device=DEV, dtype=bf, generator=GEN)
         idx = torch.stack([torch.randperm(e, device=DEV, generator=GEN)[:TOPK] for _ in range(t)])
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
-        got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
-        check(results, f"moe_experts T={t}", rel(got, ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)))
+        want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
+        saved = dict(tri.MOE)
+        for variant in ("words", "bytes", "dot"):
+            tri.MOE.update(WORDS=variant == "words", DOT=variant == "dot")
+            got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
+            check(results, f"moe_experts T={t} {variant}", rel(got, want))
+        tri.MOE.update(saved)
+    x = torch.randn(1, Q_LORA, device=DEV, dtype=bf, generator=GEN)
+    tri.FP8_GEMV_MAX_M = 0
+    check(results, "fp8_linear wq_b M=1 via dot", rel(tri.linear(x, w), ref.linear(x.double(), w)))
+    tri.FP8_GEMV_MAX_M = 4
     x = torch.randn(7, HID, device=DEV, dtype=bf, generator=GEN)
     g = torch.randn(HID, device=DEV, dtype=bf, generator=GEN)
     check(results, "rms_norm D=4096", rel(tri.rms_norm(x, g, 1e-6), ref.rms_norm(x.double(), g.double(), 1e-6)))
@@ -186,12 +195,23 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     the distinct selected experts + activations (x, h written and read, contributions written)."""
     w1, w3, w2 = fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, HID, INTER)
     per_expert = sum(w.nbytes() for w in (w1, w3, w2)) / N_EXP
-    configs = [dict(tri.MOE)]
+    def cfg_of() -> dict:
+        return {"DOT": True, **tri.MOE_DOT} if tri.MOE["DOT"] else dict(tri.MOE)
+
+    def apply(cfg: dict) -> None:
+        if cfg.get("DOT"):
+            tri.MOE["DOT"] = True
+            tri.MOE_DOT.update({k: v for k, v in cfg.items() if k != "DOT"})
+        else:
+            tri.MOE.update(cfg)
+
+    configs = [cfg_of()]
     if sweep:
-        configs += [{"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "WORDS": wd}
-                    for wd in (True, False)
-                    for bn, g, nw in ((16, 8, 4), (32, 4, 4), (64, 4, 4), (16, 16, 4), (32, 16, 4), (64, 8, 8),
-                                      (16, 8, 2), (8, 16, 2), (32, 8, 4))]
+        configs += [{"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "WORDS": wd, "DOT": False}
+                    for bn, g, nw, wd in ((32, 16, 4, True), (32, 8, 4, True), (16, 16, 4, False))]
+        configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw}
+                    for bn, g, nw in ((64, 4, 4), (32, 4, 4), (128, 4, 4), (64, 2, 4), (64, 8, 8), (32, 8, 4),
+                                      (128, 2, 8), (16, 4, 4), (32, 2, 2), (64, 4, 8))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     for t in (1, 4, 16, 64):
         sets = []
@@ -204,8 +224,9 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         act = t * HID * 2 + t * TOPK * INTER * 4 * 2 + t * TOPK * HID * 4
         nbytes = n_unique * per_expert + act
         best = None
+        timed = []
         for cfg in configs:
-            tri.MOE.update(cfg)
+            apply(cfg)
 
             def run(x, idx, wt, plan, _n):
                 tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
@@ -217,9 +238,10 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
                 continue
             frac = nbytes / (ms * 1e-3) / 1e12 / copy
             print(f"moe T={t:3d} cfg={cfg} {ms*1e3:8.1f} us  {nbytes/1e6:7.1f} MB  frac={frac:.3f}", flush=True)
+            timed.append((ms, cfg))
             if best is None or ms < best[0]:
                 best = (ms, cfg, frac)
-        tri.MOE.update(best[1])
+        apply(best[1])
         full = time_ms(lambda x, idx, wt, plan, _n: tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), sets, reps=50)
         results["mxfp4_moe"][f"M{t}"] = {
             "gemv_us": best[0] * 1e3, "bytes_MB": nbytes / 1e6, "frac": best[2], "cfg": best[1],
@@ -227,7 +249,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         }
         print(f"moe T={t} whole op, eager (host-bound: torch routing tables + 3 launches): {full*1e3:.1f} us",
               flush=True)
-        configs = [dict(best[1])] + [c for c in configs if c != best[1]] if sweep else [dict(best[1])]
+        configs = [c for _, c in sorted(timed, key=lambda p: p[0])[:4]]  # the 4 fastest go on to larger T
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]
 
 
@@ -239,12 +261,18 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
         configs += [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
                     for bn, bk, nw in ((16, 128, 4), (64, 128, 4), (32, 64, 4), (8, 128, 2), (16, 128, 2),
                                        (16, 64, 2), (64, 128, 8))]
-        configs.append({"dot": True})  # M=1 through the tensor-core kernel (rows padded to 16)
+        # M=1 through the tensor-core kernel (rows padded to 16)
+        configs += [{"dot": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+                    for bn, bk, nw in ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (32, 64, 2),
+                                       (16, 128, 2), (128, 64, 4))]
     xs = [torch.randn(1, Q_LORA, device=DEV, dtype=torch.bfloat16, generator=GEN) for _ in range(8)]
     best = None
-    for cfg in configs:
+    def apply(cfg: dict) -> None:
         tri.FP8_GEMV_MAX_M = 0 if cfg.get("dot") else 4
-        tri.FP8_GEMV.update({k: v for k, v in cfg.items() if k != "dot"})
+        (tri.FP8_DOT if cfg.get("dot") else tri.FP8_GEMV).update({k: v for k, v in cfg.items() if k != "dot"})
+
+    for cfg in configs:
+        apply(cfg)
         try:
             ms = time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
         except Exception as exc:
@@ -254,8 +282,7 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
         print(f"fp8 wq_b M=1 cfg={cfg} {ms*1e3:8.1f} us frac={frac:.3f}", flush=True)
         if best is None or ms < best[0]:
             best = (ms, cfg, frac)
-    tri.FP8_GEMV_MAX_M = 0 if best[1].get("dot") else 4
-    tri.FP8_GEMV.update({k: v for k, v in best[1].items() if k != "dot"})
+    apply(best[1])
     results["fp8_linear_m1_frac"] = best[2]
     results["fp8_linear"] = {"wq_b_M1": {"us": best[0] * 1e3, "bytes_MB": nbytes / 1e6, "frac": best[2],
                                          "cfg": best[1]}}

@@ -132,7 +132,8 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_GEMV_MAX_M = 4
-FP8_GEMV = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
+FP8_DOT = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": False}
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4}
 
@@ -155,10 +156,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = 64, 64
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4} if launch.cpu else FP8_DOT
+        bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
         launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-               IEEE=x.dtype == torch.float32, num_warps=4)
+               IEEE=x.dtype == torch.float32, num_warps=nw)
     return y
 
 
