@@ -42,9 +42,8 @@ class DeviceInfo:
         if self.gcd is None:
             return f"cpu ({self.name}, {torch.get_num_threads()} threads, torch {torch.__version__})"
         mem = f"{self.total_memory / 2**30:.1f} GiB" if self.total_memory else "? GiB"
-        return (
-            f"{self.device} {self.name} {self.arch} wave{self.wave_size} GCD {self.gcd} {mem} {self.runtime}"
-        )
+        unit = "GCD" if self.runtime.startswith("HIP") else "GPU"  # an MI250 GCD is one device
+        return f"{self.device} {self.name} {self.arch} wave{self.wave_size} {unit} {self.gcd} {mem} {self.runtime}"
 
 
 def _gpu_count() -> int:

@@ -86,6 +86,7 @@ def test_describe_cuda(gpus):
     gpus(1, props=H200, hip=None, cuda="12.8")
     d = devices.describe("cuda:0")
     assert (d.name, d.arch, d.wave_size, d.runtime) == ("NVIDIA H200", "sm_90", 32, "CUDA 12.8")
+    assert d.line() == "cuda:0 NVIDIA H200 sm_90 wave32 GPU 0 141.0 GiB CUDA 12.8"
 
 
 def test_list_devices_cpu_first(gpus):
