@@ -176,7 +176,11 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
         factory = resolve_factory(s.engine)
     except LookupError as e:
         _stop(request, f"cdna2: {e}")
-    return factory(str(s.model), device=s.device, backend=s.backend)
+    try:
+        return factory(str(s.model), device=s.device, backend=s.backend)
+    except Exception as e:  # keep the traceback for the engine's author, but stop: nothing can pass now
+        request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
+        raise
 
 
 @pytest.fixture(scope="session")

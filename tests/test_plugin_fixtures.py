@@ -123,3 +123,12 @@ def test_unimportable_engine_factory(pytester):
     r.stdout.fnmatch_lines(["*cdna2: --cdna2-engine=no_such_module_xyz:make: cannot import 'no_such_module_xyz'*"])
     r = run(pytester, "--cdna2-engine=test_plugin_fake_engine:nope", "--cdna2-model=m")
     r.stdout.fnmatch_lines(["*'test_plugin_fake_engine' has no callable 'nope'*"])
+
+
+def test_a_model_that_fails_to_load_stops_the_run(pytester):
+    (pytester.path / "m").mkdir()  # no fake.json: the factory raises FileNotFoundError
+    pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")
+    r = run(pytester, ENGINE, "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: loading */m (test_plugin_fake_engine:make_model) failed: "
+                            "FileNotFoundError*"])
