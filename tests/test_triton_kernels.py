@@ -132,13 +132,17 @@ def test_rope(dtype, inverse, b, h, d, half):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,h,d,ln", [(1, 1, 5, 24, 37), (2, 3, 5, 24, 37), (2, 2, 40, 20, 19)])
-def test_attention(dtype, b, s, h, d, ln):
-    g = gen(600 + b * 13 + s + h)
+@pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
+                                               (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16)])
+def test_attention(dtype, b, s, h, d, ln, chunk, monkeypatch):
+    """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine."""
+    monkeypatch.setattr(tri, "ATTN_CHUNK", chunk)
+    g = gen(600 + b * 13 + s + h + ln)
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
     kv = torch.randn(b, ln, d, generator=g).to(dtype)
     sink = torch.randn(h, generator=g)
     mask = torch.rand(b, s, ln, generator=g) > 0.3
+    mask[0, 0, :16] = False  # with chunk 16, a split whose keys are all hidden
     if b * s > 1:
         mask[-1, -1] = False  # a row with no visible key: the sink takes everything, output 0
     got = tri.attention(q, kv, sink, mask, d**-0.5)

@@ -136,6 +136,7 @@ FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
 FP8_DOT = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": False}
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4}
+ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -351,11 +352,22 @@ def attention(
     launch = _Launch(q)
     bh = min(_pow2(h), 32 if d <= 256 else 16)
     bl = 16 if launch.cpu or d > 256 else 32
-    launch("attention_kernel", (s, b, triton_cdiv(h, bh)),
-           q, kv, sink.contiguous().float(), m8, o, s, h, ln, d, float(scale),
-           q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
-           o.stride(0), o.stride(1), o.stride(2),
-           BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
+    args = (q, kv, sink.contiguous().float(), m8, o, s, h, ln, d, float(scale),
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
+            o.stride(0), o.stride(1), o.stride(2))
+    meta = dict(BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
+    hb = triton_cdiv(h, bh)
+    chunk = ATTN_CHUNK or max(bl, 256)
+    n_split = triton_cdiv(ln, chunk)
+    if n_split > 1 and (ATTN_CHUNK or b * s * hb < 132):  # too few programs to fill the GPU: split the keys
+        part = _empty(b, s, n_split, h, d, dtype=torch.float32, device=q.device)
+        ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
+        launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
+               ml_ptr=ml, **meta)
+        launch("attention_combine_kernel", (s, b, hb), part, ml, args[2], o, s, h, d, n_split,
+               o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=_pow2(d), num_warps=4)
+    else:
+        launch("attention_kernel", (s, b, hb), *args, **meta)
     return o
 
 

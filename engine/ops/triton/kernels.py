@@ -386,13 +386,25 @@ def attention_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_kl, stride_mb, stride_ms,
     stride_ob, stride_os, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr = False, CHUNK=0, part_ptr=None, ml_ptr=None,
 ):
     """One query position x BLOCK_H heads per program (the heads share the KV rows: they are the dot's M).
 
     Online softmax with fp32 running max m and sum l, both started from the sink (m = sink, l = 1), so the
     sink is in the denominator only and a row with no visible key returns zeros.
+    SPLIT (decode, flash-decoding): program axis 0 is (position, split); each split covers CHUNK keys, starts
+    from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
     """
-    s_idx = tl.program_id(0)
+    if SPLIT:
+        n_split = tl.cdiv(L, CHUNK)
+        s_idx = tl.program_id(0) // n_split
+        split = tl.program_id(0) % n_split
+        l_lo = split * CHUNK
+        l_hi = tl.minimum(l_lo + CHUNK, L)
+    else:
+        s_idx = tl.program_id(0)
+        l_lo = 0
+        l_hi = L
     b = tl.program_id(1)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -400,13 +412,17 @@ def attention_kernel(
     d_ok = offs_d < D
     q = tl.load(q_ptr + b * stride_qb + s_idx * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-    l_i = tl.full((BLOCK_H,), 1.0, tl.float32)
+    if SPLIT:
+        m_i = tl.full((BLOCK_H,), -1e30, tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+    else:
+        m_i = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        l_i = tl.full((BLOCK_H,), 1.0, tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     offs_l = tl.arange(0, BLOCK_L)
-    for l0 in range(0, L, BLOCK_L):
+    for l0 in range(l_lo, l_hi, BLOCK_L):
         ll = l0 + offs_l
-        l_ok = ll < L
+        l_ok = ll < l_hi
         kv = tl.load(kv_ptr + b * stride_kb + ll[:, None] * stride_kl + offs_d[None, :],
                      mask=l_ok[:, None] & d_ok[None, :], other=0.0)
         vis = tl.load(mask_ptr + b * stride_mb + s_idx * stride_ms + ll, mask=l_ok, other=0) != 0
@@ -424,9 +440,46 @@ def attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m_i = m_new
-    out = acc / l_i[:, None]
+    if SPLIT:
+        # partials laid out [B, S, n_split, H, D] and [B, S, n_split, 2, H] (contiguous, fp32)
+        row = (b * S + s_idx) * n_split + split
+        tl.store(part_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + row * 2 * H + offs_h, m_i, mask=h_ok)
+        tl.store(ml_ptr + row * 2 * H + H + offs_h, l_i, mask=h_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split,
+                             stride_ob, stride_os, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the splits of one (b, s) in the fixed order 0..n_split-1, with the sink in the denominator."""
+    s_idx = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < H
+    hd_ok = h_ok[:, None] & (offs_d[None, :] < D)
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    row0 = (b * S + s_idx) * n_split
+    m = sink
+    for j in range(0, n_split):
+        m = tl.maximum(m, tl.load(ml_ptr + (row0 + j) * 2 * H + offs_h, mask=h_ok, other=-1e30))
+    l_tot = tl.exp(sink - m)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for j in range(0, n_split):
+        mj = tl.load(ml_ptr + (row0 + j) * 2 * H + offs_h, mask=h_ok, other=-1e30)
+        lj = tl.load(ml_ptr + (row0 + j) * 2 * H + H + offs_h, mask=h_ok, other=0.0)
+        w = tl.exp(mj - m)
+        l_tot += lj * w
+        acc += tl.load(part_ptr + ((row0 + j) * H + offs_h[:, None]) * D + offs_d[None, :], mask=hd_ok,
+                       other=0.0) * w[:, None]
+    out = acc / l_tot[:, None]
     tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+             out.to(o_ptr.dtype.element_ty), mask=hd_ok)
 
 
 @triton.jit
@@ -511,7 +564,14 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp32 *fp32 *bf16 i32 i32 i32 fp32",
           BLOCK_H=64, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("attention", attention_kernel,
-     _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False), 8, True),
+     _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None,
+          ml_ptr=None), 8, True),
+    ("attention_split", attention_kernel,
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
+          BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True), 8, True),
+    ("attention_combine", attention_combine_kernel,
+     _sig("part_ptr ml_ptr sink_ptr o_ptr S H D n_split stride_ob stride_os stride_oh",
+          "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=512), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
 ]
