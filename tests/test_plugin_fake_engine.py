@@ -145,6 +145,6 @@ def test_build_goldens_on_the_fake_engine_round_trips(tmp_path):
     assert list(again.taps("p00")) == ["0.attn", "0.ffn", "1.attn", "1.ffn"]
     sel = again.selections("p00")[(1, "router")]
     assert sel.indices.shape == (5, 2) and sel.margin.shape == (5,)
-    assert store.manifest["dtype"] == "float64" and store.manifest["steps"] == 3
+    assert store.manifest["dtype"] == "float64" and store.steps == 3
     assert set(store.manifest["files"]) == {"teacher.safetensors", "greedy.safetensors", "taps.safetensors",
                                             "selections.safetensors"}
