@@ -278,6 +278,10 @@ class Model:
         ts = list(self.w.values()) + [q for e in self.experts for q in e.values()]
         return sum(t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size() for t in ts)
 
+    def tap_names(self) -> list[str]:
+        """Every tap `trace`/`generate` can record, in forward order."""
+        return tap_names(self.cfg.num_hidden_layers)
+
     def new_cache(self) -> Cache:
         return Cache.empty(self.cfg.num_hidden_layers)
 

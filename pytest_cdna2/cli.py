@@ -42,15 +42,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(text: str) -> list[int]:
+    """--steps N or N,N,...: integers (argparse turns the ValueError into a usage error)."""
+    return [int(n) for n in text.split(",")]
+
+
 def cmd_goldens_build(args: argparse.Namespace) -> int:
     """Compute goldens with the reference engine (float64 by default) into ``--out``."""
     model = _existing_dir(args.model, "--model")
-    if args.steps < 1:
-        raise _Fail(f"--steps must be >= 1, got {args.steps}")
+    steps = args.steps
+    if min(steps) < 1:
+        raise _Fail(f"--steps must be >= 1, got {','.join(map(str, steps))}")
     prompts = goldens.load_prompts(args.prompts) if args.prompts else None
     store = goldens.build_goldens(
-        model, args.out, prompts, args.steps, dtype=args.dtype, backend=args.backend, regen=args.regen,
-        progress=not args.quiet,
+        model, args.out, prompts, steps if len(steps) > 1 else steps[0], dtype=args.dtype, backend=args.backend,
+        regen=args.regen, tap_prompts=args.tap_prompts, progress=not args.quiet,
     )
     files = ", ".join(store.manifest["files"])
     print(f"wrote {len(store.prompts)} prompts x {store.steps} steps to {store.path} ({files})")
@@ -98,9 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
     b.add_argument("--out", required=True, metavar="DIR", help="golden store folder to create")
     b.add_argument("--prompts", metavar="FILE", help="JSON list of strings, or one prompt per line")
-    b.add_argument("--steps", type=int, default=32, metavar="N", help="greedy steps per prompt (default 32)")
+    b.add_argument("--steps", default=[32], type=_steps, metavar="N[,N...]",
+                   help="greedy steps per prompt (default 32); a list gives the first prompts theirs, the last repeats")
     b.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="reference dtype")
     b.add_argument("--backend", default="reference", choices=("reference", "triton"), help=argparse.SUPPRESS)
+    b.add_argument("--tap-prompts", type=int, metavar="K",
+                   help="record per-layer taps for the first K prompts only (default all; taps are the bulk)")
     b.add_argument("--regen", action="store_true", help="replace an existing store at --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_goldens_build)

@@ -93,17 +93,20 @@ def load_engine(spec: str, path: str | Path, device: str, backend: str, **kwargs
 def regenerate_goldens(settings: Settings) -> GoldenStore:
     """Rebuild the goldens with the float64 reference on the CPU, keeping the old prompts and steps."""
     prompts: list[bytes] = list(DEFAULT_PROMPTS)
-    steps = 32
+    steps: int | list[int] = 32
+    tap_prompts = None
     try:  # unverified on purpose: we only reuse its prompts
         old = json.loads((settings.goldens / MANIFEST).read_text(encoding="utf-8"))
         prompts = [bytes(p["tokens"]) for p in old["prompts"]] or prompts
-        steps = int(old.get("steps", steps))
+        steps = old.get("steps", steps)
+        steps = [int(n) for n in steps] if isinstance(steps, list) else int(steps)
+        tap_prompts = old.get("tap_prompts")
     except (OSError, ValueError, KeyError, TypeError):
         pass
     kwargs = {"dtype": torch.float64} if settings.engine == "bundled" else {}
     model = load_engine(settings.engine, settings.model, "cpu", "reference", **kwargs)
     return build_goldens(settings.model, settings.goldens, prompts, steps, model=model, regen=True,
-                         tolerance_profile=settings.tolerance.name, progress=False)
+                         tolerance_profile=settings.tolerance.name, tap_prompts=tap_prompts, progress=False)
 
 
 @pytest.fixture(scope="session")

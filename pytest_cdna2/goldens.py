@@ -227,8 +227,9 @@ class GoldenStore:
 
     @property
     def steps(self) -> int:
-        """Greedy steps recorded per prompt."""
-        return int(self.manifest.get("steps", 0))
+        """Greedy steps recorded per prompt (the most, when prompts differ)."""
+        steps = self.manifest.get("steps", 0)
+        return int(max(steps) if isinstance(steps, list) else steps)
 
     @property
     def prompts(self) -> list[GoldenPrompt]:
@@ -294,10 +295,12 @@ class GoldenStore:
         return self.tensor("greedy.safetensors", f"{prompt}.logits")
 
     def taps(self, prompt: str) -> dict[str, torch.Tensor]:
-        """Per-layer hidden states {"L.attn"/"L.ffn": [Tf, hc, D]}, in layer order."""
+        """Per-layer hidden states {"L.attn_in" ... "L.ffn": [Tf, ...]} in forward order ({} for a prompt
+        recorded without taps: see the manifest's tap_prompts)."""
+        from pytest_cdna2.bisect import tap_order
+
         pre = f"{prompt}."
-        names = [k[len(pre):] for k in self.keys("taps.safetensors") if k.startswith(pre)]
-        names.sort(key=lambda n: (int(n.split(".")[0]), n.split(".")[1] != "attn"))
+        names = tap_order(k[len(pre):] for k in self.keys("taps.safetensors") if k.startswith(pre))
         return {n: self.tensor("taps.safetensors", pre + n) for n in names}
 
     def selections(self, prompt: str) -> dict[tuple[int, str], GoldenSelection]:
@@ -414,7 +417,7 @@ def build_goldens(
     model_dir: str | Path | None,
     out_dir: str | Path,
     prompts: Sequence[bytes | str] | None = None,
-    steps: int = 32,
+    steps: int | Sequence[int] = 32,
     *,
     dtype: torch.dtype | str = torch.float64,
     backend: str = "reference",
@@ -423,6 +426,7 @@ def build_goldens(
     tolerance_profile: str = "default",
     seed: int = 0,
     taps: bool = True,
+    tap_prompts: int | None = None,
     progress: bool = True,
 ) -> GoldenStore:
     """Compute goldens with the reference engine and write them atomically; returns the opened store.
@@ -434,7 +438,8 @@ def build_goldens(
     """
     from tqdm import tqdm
 
-    if steps < 1:
+    per_prompt = [steps] if isinstance(steps, int) else list(steps)
+    if not per_prompt or min(per_prompt) < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
@@ -448,9 +453,15 @@ def build_goldens(
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
         raise ValueError("no prompts")
+    per_prompt = (per_prompt + per_prompt[-1:] * len(prompts))[: len(prompts)]  # the last value repeats
     cfg = model.config
     vocab, layers = int(cfg.vocab_size), int(cfg.num_hidden_layers)
-    tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn")) if taps else ()
+    if not taps:
+        tap_names: tuple[str, ...] = ()
+    elif hasattr(model, "tap_names"):  # the bundled engine's sub-block taps, so bisect can name the block
+        tap_names = tuple(model.tap_names())
+    else:
+        tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn"))
     device = getattr(model, "device", "cpu")
     sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
     torch.manual_seed(seed)
@@ -465,16 +476,17 @@ def build_goldens(
         for i, text in enumerate(tqdm(prompts, desc="goldens", unit="prompt", disable=not progress)):
             name = f"p{i:0{max(2, width)}d}"
             ids = encode_prompt(text, vocab)
-            gen = model.generate(ids[None].to(device), steps)
+            gen = model.generate(ids[None].to(device), per_prompt[i])
             toks = gen.tokens[0].detach().cpu().long()
             seq = torch.cat([ids, toks[:-1]])
-            tr = model.trace(seq[None].to(device), taps=tap_names)
+            tapped = tap_names if tap_prompts is None or i < tap_prompts else ()
+            tr = model.trace(seq[None].to(device), taps=tapped)
             teacher[f"{name}.input_ids"] = seq
             teacher[f"{name}.logits"] = tr.logits[0]
             greedy[f"{name}.tokens"] = toks
             greedy[f"{name}.logits"] = gen.logits[0]
-            for tap in tap_names:
-                tapd[f"{name}.{tap}"] = tr.taps[tap][0]
+            for tap in tapped:
+                tapd[f"{name}.{tap}"] = tr.taps[tap][0].float()  # float32: taps gate at ~1e-3, half the bytes
             for (layer, kind), sel in (getattr(tr, "selections", None) or {}).items():
                 sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
                 margin = sel.margin if sel.margin is not None else torch.full(sel.indices.shape[:2], math.inf)
@@ -494,11 +506,12 @@ def build_goldens(
             backend=backend,
             dtype=str(getattr(model, "dtype", dtype)).removeprefix("torch."),
             device=str(device),
-            steps=steps,
+            steps=per_prompt,
             seed=seed,
             vocab_size=vocab,
             num_hidden_layers=layers,
             tolerance_profile=tolerance_profile,
+            tap_prompts=tap_prompts,
             versions=_versions(model),
             prompts=entries,
         )
