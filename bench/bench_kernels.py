@@ -163,9 +163,10 @@ def correctness(results: dict) -> None:
             check(results, f"moe_experts T={t} {variant}", rel(got, want))
         tri.MOE.update(saved)
     x = torch.randn(1, Q_LORA, device=DEV, dtype=bf, generator=GEN)
-    tri.FP8_GEMV_MAX_M = 0
-    check(results, "fp8_linear wq_b M=1 via dot", rel(tri.linear(x, w), ref.linear(x.double(), w)))
+    saved = tri.FP8_GEMV_MAX_M
     tri.FP8_GEMV_MAX_M = 4
+    check(results, "fp8_linear wq_b M=1 via FMA gemv", rel(tri.linear(x, w), ref.linear(x.double(), w)))
+    tri.FP8_GEMV_MAX_M = saved
     x = torch.randn(7, HID, device=DEV, dtype=bf, generator=GEN)
     g = torch.randn(HID, device=DEV, dtype=bf, generator=GEN)
     check(results, "rms_norm D=4096", rel(tri.rms_norm(x, g, 1e-6), ref.rms_norm(x.double(), g.double(), 1e-6)))
@@ -196,22 +197,25 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     w1, w3, w2 = fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, HID, INTER)
     per_expert = sum(w.nbytes() for w in (w1, w3, w2)) / N_EXP
     def cfg_of() -> dict:
-        return {"DOT": True, **tri.MOE_DOT} if tri.MOE["DOT"] else dict(tri.MOE)
+        return {"DOT": True, **tri.MOE_DOT_M1} if tri.MOE["DOT"] else dict(tri.MOE)
 
     def apply(cfg: dict) -> None:
+        tri.MOE["DOT"] = bool(cfg.get("DOT"))
         if cfg.get("DOT"):
-            tri.MOE["DOT"] = True
-            tri.MOE_DOT.update({k: v for k, v in cfg.items() if k != "DOT"})
+            c = {k: v for k, v in cfg.items() if k != "DOT"}
+            tri.MOE_DOT.update(c)
+            tri.MOE_DOT_M1.update(c)
         else:
             tri.MOE.update(cfg)
 
     configs = [cfg_of()]
     if sweep:
-        configs += [{"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "WORDS": wd, "DOT": False}
-                    for bn, g, nw, wd in ((32, 16, 4, True), (32, 8, 4, True), (16, 16, 4, False))]
-        configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw}
-                    for bn, g, nw in ((64, 4, 4), (32, 4, 4), (128, 4, 4), (64, 2, 4), (64, 8, 8), (32, 8, 4),
-                                      (128, 2, 8), (16, 4, 4), (32, 2, 2), (64, 4, 8))]
+        configs += [{"BLOCK_N": 32, "GROUPS": 16, "num_warps": 4, "WORDS": True, "DOT": False}]
+        configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st, "FUSE": fu}
+                    for bn, g, nw, st, fu in ((32, 4, 4, 3, True), (32, 4, 4, 1, True), (32, 4, 4, 3, False),
+                                              (64, 4, 4, 3, True), (32, 8, 4, 3, True), (64, 4, 8, 2, True),
+                                              (16, 4, 2, 3, True), (32, 2, 4, 4, True), (64, 2, 4, 4, True),
+                                              (32, 4, 8, 3, True))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     for t in (1, 4, 16, 64):
         sets = []
@@ -256,15 +260,13 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
 def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     ws = [fp8_weight(HEADS * HEAD_DIM, Q_LORA) for _ in range(8)]  # 8 x 32 MB
     nbytes = ws[0].nbytes() + Q_LORA * 2 + HEADS * HEAD_DIM * 2
-    configs = [dict(tri.FP8_GEMV)]
+    configs = [{"dot": True, **tri.FP8_DOT}]
     if sweep:
-        configs += [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
-                    for bn, bk, nw in ((16, 128, 4), (64, 128, 4), (32, 64, 4), (8, 128, 2), (16, 128, 2),
-                                       (16, 64, 2), (64, 128, 8))]
+        configs += [{"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}]  # the best FMA GEMV tile of run 3
         # M=1 through the tensor-core kernel (rows padded to 16)
-        configs += [{"dot": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
-                    for bn, bk, nw in ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (32, 64, 2),
-                                       (16, 128, 2), (128, 64, 4))]
+        configs += [{"dot": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st}
+                    for bn, bk, nw, st in ((128, 64, 4, 4), (128, 64, 4, 2), (128, 128, 8, 3), (64, 128, 4, 4),
+                                           (256, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4))]
     xs = [torch.randn(1, Q_LORA, device=DEV, dtype=torch.bfloat16, generator=GEN) for _ in range(8)]
     best = None
     def apply(cfg: dict) -> None:

@@ -131,11 +131,12 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # FP8 linear
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
-FP8_GEMV_MAX_M = 4
+FP8_GEMV_MAX_M = 0  # on the GPU the tl.dot form (rows padded to 16) beat the FMA GEMV at M=1 (bench/NOTES.md)
 FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
-FP8_DOT = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
-MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": False}
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4}
+FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True}
+MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True}  # one token
 ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 
 
@@ -149,7 +150,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
-    if m <= FP8_GEMV_MAX_M:
+    if m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep both forms covered
         bm = _pow2(m, 1)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV
         bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
@@ -157,11 +158,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4} if launch.cpu else FP8_DOT
-        bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
+        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
         launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-               IEEE=x.dtype == torch.float32, num_warps=nw)
+               IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 
@@ -219,6 +220,10 @@ def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
     return pair_tok, pair_id, blk_e, lo.to(torch.int32), hi.to(torch.int32)
 
 
+def _topk_of(plan: tuple) -> int:
+    return plan[-1]
+
+
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
@@ -226,33 +231,38 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
         bm = 16 if t * topk <= 16 * n_experts else 64
     else:
         bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
-    return (bm, *moe_blocks(idx, n_experts, bm))
+    return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
 
-def _moe_cfg(launch: _Launch, x: torch.Tensor) -> tuple[int, int, int, bool, int]:
-    """(BLOCK_N, GROUPS, num_warps, WORDS, DOT) for this device and dtype."""
+def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[int, int, dict]:
+    """(BLOCK_N, GROUPS, other launch keywords) for this device, dtype and batch."""
     if MOE["DOT"]:
         dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
-        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4} if launch.cpu else MOE_DOT
-        return c["BLOCK_N"], c["GROUPS"], c["num_warps"], False, dot
+        if launch.cpu:
+            c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1, "FUSE": MOE_DOT["FUSE"]}
+        else:
+            c = MOE_DOT_M1 if tokens == 1 else MOE_DOT
+        kw = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "WORDS": False, "DOT": dot,
+              "FUSE": c["FUSE"]}
+        return c["BLOCK_N"], c["GROUPS"], kw
     c = {"BLOCK_N": 16, "GROUPS": 4, "num_warps": 4} if launch.cpu else MOE
-    return c["BLOCK_N"], c["GROUPS"], c["num_warps"], MOE["WORDS"], -1
+    return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "WORDS": MOE["WORDS"], "DOT": -1}
 
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert."""
-    bm, pair_tok, _, blk_e, blk_lo, blk_hi = plan
+    bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
-    bn, groups, nw, words, dot = _moe_cfg(launch, x)
+    bn, groups, kw = _moe_cfg(launch, x, bm, x.shape[0])
+    words = kw["WORDS"]
     d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
     launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
            x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
            inter, d, float(limit or 0.0),
            x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words,
-           DOT=dot, num_warps=nw)
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, **kw)
     return h
 
 
@@ -260,10 +270,12 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h; with the dot
     path h enters the dot in `dtype` (the activations' dtype)."""
-    bm, _, pair_id, blk_e, blk_lo, blk_hi = plan
+    bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
-    bn, groups, nw, words, dot = _moe_cfg(launch, h.new_empty(0, dtype=dtype))
+    bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)))
+    kw.pop("FUSE", None)
+    words = kw["WORDS"]
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
@@ -271,7 +283,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, WORDS=words, DOT=dot, num_warps=nw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, **kw)
     return c
 
 

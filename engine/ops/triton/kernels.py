@@ -162,33 +162,61 @@ def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
 
 
 @triton.jit
+def _mxfp4_load(w_base, s_base, g0, K, r_ok, GROUPS: tl.constexpr):
+    """GROUPS scale groups of a [BLOCK_N] row tile: packed bytes [BN, G, 16] (as uint32) and fp32 scales [BN, G]."""
+    gg = g0 + tl.arange(0, GROUPS)
+    g_ok = gg < K // 32
+    byte = gg[:, None] * 16 + tl.arange(0, 16)[None, :]
+    wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=r_ok[:, None, None] & g_ok[None, :, None], other=0)
+    sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 0)
+    return wb.to(tl.uint32), sc
+
+
+@triton.jit
+def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+    """acc += x @ (decoded tile * group scales)^T; DOT: 0 fp32 IEEE, 1 bf16, 2 fp16 operands."""
+    w = tl.join(_e2m1_f32(wb), _e2m1_f32(wb >> 4))  # [BN, G, 16, 2]: elements 2j, 2j+1
+    w = tl.reshape(w, (BLOCK_N, GROUPS, 32)) * sc[:, :, None]
+    w = tl.reshape(w, (BLOCK_N, GROUPS * 32))
+    if DOT == 0:
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    elif DOT == 1:
+        acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:
+        acc += tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
+    return acc
+
+
+@triton.jit
 def _mxfp4_tile_dot(w_base, s_base, x_base, K, r_ok, m_ok,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
-    """Tensor-core / MFMA form: the decoded tile times its group scales, cast to the dot dtype (DOT: 0 fp32
-    IEEE, 1 bf16, 2 fp16), fed to tl.dot against BLOCK_M (>= 16) gathered rows; fp32 accumulator."""
-    offs_g = tl.arange(0, GROUPS)
-    offs_j = tl.arange(0, 16)
+    """Tensor-core / MFMA form: the decoded tile times its group scales, cast to the dot dtype, fed to tl.dot
+    against BLOCK_M (>= 16) gathered rows; fp32 accumulator."""
     offs_k = tl.arange(0, GROUPS * 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, K // 32, GROUPS):
-        gg = g0 + offs_g
-        g_ok = gg < K // 32
-        byte = gg[:, None] * 16 + offs_j[None, :]
-        wmask = r_ok[:, None, None] & g_ok[None, :, None]
-        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.uint32)
-        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 0)
-        w = tl.join(_e2m1_f32(wb), _e2m1_f32(wb >> 4))  # [BN, G, 16, 2]: element 2j, 2j+1
-        w = tl.reshape(w, (BLOCK_N, GROUPS, 32)) * sc[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, GROUPS * 32))
+        wb, sc = _mxfp4_load(w_base, s_base, g0, K, r_ok, GROUPS)
         kk = g0 * 32 + offs_k
         x = tl.load(x_base[:, None] + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-        if DOT == 0:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        elif DOT == 1:
-            acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-        else:
-            acc += tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
+        acc = _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N, GROUPS, DOT)
     return acc
+
+
+@triton.jit
+def _mxfp4_pair_dot(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, m_ok,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+    """W1 x and W3 x in one K loop: both tiles' loads are issued together (twice the bytes in flight)."""
+    offs_k = tl.arange(0, GROUPS * 32)
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        wb1, sc1 = _mxfp4_load(w1_base, s1_base, g0, K, r_ok, GROUPS)
+        wb3, sc3 = _mxfp4_load(w3_base, s3_base, g0, K, r_ok, GROUPS)
+        kk = g0 * 32 + offs_k
+        x = tl.load(x_base[:, None] + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        g = _mxfp4_dot_step(g, wb1, sc1, x, BLOCK_N, GROUPS, DOT)
+        u = _mxfp4_dot_step(u, wb3, sc3, x, BLOCK_N, GROUPS, DOT)
+    return g, u
 
 
 @triton.jit
@@ -244,7 +272,7 @@ def moe_gate_up_kernel(
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1,
+    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1, FUSE: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
     pid_n = tl.program_id(0)
@@ -263,8 +291,14 @@ def moe_gate_up_kernel(
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
         if DOT >= 0:
-            g = _mxfp4_tile_dot(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
-            u = _mxfp4_tile_dot(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+            if FUSE:
+                g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
+                                       r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+            else:
+                g = _mxfp4_tile_dot(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS,
+                                    DOT)
+                u = _mxfp4_tile_dot(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS,
+                                    DOT)
         elif WORDS:  # w*_ptr are uint32 views, strides in words
             g = _mxfp4_tile_gemv_w32(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
             u = _mxfp4_tile_gemv_w32(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
@@ -544,15 +578,15 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, True),
     ("moe_gate_up", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1, FUSE=False), 4, False),
     ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
     ("moe_gate_up_dot", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1, FUSE=True), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
     ("moe_gate_up_w32", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
-          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True, DOT=-1), 4, False),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True, DOT=-1, FUSE=False), 4, False),
     ("moe_down_w32", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True,
           DOT=-1), 4, False),
