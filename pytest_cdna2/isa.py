@@ -2,8 +2,9 @@
 
 For gfx90a (wave64) the amdgcn text carries `.vgpr_count`, `.agpr_count`, `.sgpr_count` and
 `.private_segment_fixed_size` (scratch bytes: 0 means nothing spilled to memory) and `metadata.shared` is
-the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E2M1/E4M3 through fp16
-subnormals (engine/ops/triton/kernels.py), so `.amdhsa_float_denorm_mode_16_64` must stay 3 (kept).
+the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E2M1/E4M3 through fp32
+(and fp16) subnormal bit patterns (engine/ops/triton/kernels.py), so `.amdhsa_float_denorm_mode_32` and
+`_16_64` must stay 3 (denormals kept on input and output).
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
 
@@ -45,6 +46,7 @@ class KernelAudit:
     has_mfma: bool | None = None
     waves_per_simd: int | None = None
     denorm_f16: int | None = None
+    denorm_f32: int | None = None
     matmul: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -60,8 +62,9 @@ class KernelAudit:
                 out.append(f"LDS {self.lds_bytes} B > {LDS_LIMIT}")
             if self.matmul and not self.has_mfma:
                 out.append("matmul kernel without v_mfma")
-            if self.denorm_f16 is not None and self.denorm_f16 != 3:
-                out.append(f"fp16 denormals not kept (mode {self.denorm_f16}): the E2M1/E4M3 decode needs them")
+            for bits, mode in (("fp16", self.denorm_f16), ("fp32", self.denorm_f32)):
+                if mode is not None and mode != 3:
+                    out.append(f"{bits} denormals not kept (mode {mode}): the E2M1/E4M3 decode needs them")
         return out
 
     def row(self) -> str:
@@ -70,7 +73,7 @@ class KernelAudit:
             return f"{self.name:14s} {self.target:7s} FAILED {self.error[:80]}"
         return (f"{self.name:14s} {self.target:7s} vgpr={self.vgpr} agpr={self.agpr} sgpr={self.sgpr} "
                 f"scratch={self.scratch_bytes} lds={self.lds_bytes} mfma={self.has_mfma} "
-                f"waves/SIMD={self.waves_per_simd} f16denorm={self.denorm_f16}")
+                f"waves/SIMD={self.waves_per_simd} denorm32/16={self.denorm_f32}/{self.denorm_f16}")
 
 
 def occupancy_gfx90a(vgpr_count: int) -> int:
@@ -105,6 +108,7 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
         a.scratch_bytes = _meta(text, "private_segment_fixed_size")
         a.has_mfma = "v_mfma" in text
         a.denorm_f16 = _meta(text, "amdhsa_float_denorm_mode_16_64")
+        a.denorm_f32 = _meta(text, "amdhsa_float_denorm_mode_32")
         a.extra["vgpr_spill_count"] = _meta(text, "vgpr_spill_count")
         if a.vgpr is not None:
             a.waves_per_simd = occupancy_gfx90a(a.vgpr)

@@ -1,5 +1,5 @@
 """ISA tier, project side: every Triton kernel compiles ahead of time for gfx90a (wave64) and sm_90 without
-a GPU, and on gfx90a has no scratch, LDS <= 64 KiB, MFMA in matmul kernels, fp16 denormals kept; a
+a GPU, and on gfx90a has no scratch, LDS <= 64 KiB, MFMA in matmul kernels, denormals kept; a
 deliberately bad spec is reported as a violation (so the audit can fail)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def test_gfx90a_rules(audits):
         if a.target == "gfx90a":
             assert a.scratch_bytes == 0 and a.vgpr is not None and 1 <= a.waves_per_simd <= 8
             assert a.has_mfma or not a.matmul
+            assert a.denorm_f32 == 3 and a.denorm_f16 == 3  # the E4M3/E2M1 bit decode relies on subnormals
 
 
 def test_occupancy_formula():

@@ -133,9 +133,9 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_GEMV_MAX_M = 0  # on the GPU the tl.dot form (rows padded to 16) beat the FMA GEMV at M=1 (bench/NOTES.md)
 FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
-FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True}
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True}  # one token
 ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 

@@ -576,12 +576,12 @@ _IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh str
 ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_gemv", fp8_gemv_kernel, _sig(*_FP8_ARGS, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
-     _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, True),
+     _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
     ("moe_gate_up", moe_gate_up_kernel,
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1, FUSE=False), 4, False),
     ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
     ("moe_gate_up_dot", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1, FUSE=True), 4, True),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, WORDS=False, DOT=1, FUSE=True), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
     ("moe_gate_up_w32", moe_gate_up_kernel,
