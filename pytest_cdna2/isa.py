@@ -22,6 +22,7 @@ register limit only, `lds_bytes` is listed beside it.)
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 
@@ -95,6 +96,13 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     from triton.compiler import ASTSource
 
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
+    raw = getattr(fn, "fn", None)
+    if raw is not None:  # parameters with defaults that the spec leaves out are fixed to their defaults
+        signature, constexprs = dict(signature), dict(constexprs)
+        for pname, par in inspect.signature(raw).parameters.items():
+            if pname not in signature and par.default is not inspect.Parameter.empty:
+                signature[pname] = "constexpr"
+                constexprs[pname] = par.default
     try:
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
                            options={"num_warps": num_warps})

@@ -77,11 +77,13 @@ def test_fp8_grouped_linear(dtype, b, s):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "words"), (3, 3, 0.0, "words"), (9, 2, 1.5, "bytes"), (1, 2, 7.0, "dot"),
-                          (9, 3, 1.5, "dot")])
+                          (9, 3, 1.5, "dot"), (1, 2, 7.0, "dot_kn"), (9, 3, 1.5, "dot_kn")])
 def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
-    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), or the tl.dot form."""
+    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), or the tl.dot forms
+    (interleaved tile, or K-major with even/odd k as two dots)."""
     monkeypatch.setitem(tri.MOE, "WORDS", variant == "words")
-    monkeypatch.setitem(tri.MOE, "DOT", variant == "dot")
+    monkeypatch.setitem(tri.MOE, "DOT", variant.startswith("dot"))
+    monkeypatch.setitem(tri.MOE_DOT, "KN", variant == "dot_kn")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)

@@ -135,8 +135,8 @@ FP8_GEMV_MAX_M = 0  # on the GPU the tl.dot form (rows padded to 16) beat the FM
 FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True}
-MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True}  # one token
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True, "KN": False}
+MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True, "KN": False}  # 1 token
 ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 
 
@@ -239,11 +239,12 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[in
     if MOE["DOT"]:
         dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
         if launch.cpu:
-            c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1, "FUSE": MOE_DOT["FUSE"]}
+            c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1, "FUSE": MOE_DOT["FUSE"],
+                 "KN": MOE_DOT["KN"]}
         else:
             c = MOE_DOT_M1 if tokens == 1 else MOE_DOT
         kw = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "WORDS": False, "DOT": dot,
-              "FUSE": c["FUSE"]}
+              "FUSE": c["FUSE"], "KN": c.get("KN", False)}
         return c["BLOCK_N"], c["GROUPS"], kw
     c = {"BLOCK_N": 16, "GROUPS": 4, "num_warps": 4} if launch.cpu else MOE
     return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "WORDS": MOE["WORDS"], "DOT": -1}

@@ -188,6 +188,56 @@ def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
 
 
 @triton.jit
+def _mxfp4_load_kn(w_base, s_base, g0, K, r_ok, GROUPS: tl.constexpr):
+    """The same tile K-major: bytes [G*16, BN] (as uint32) and scales [G, BN], ready for x @ W^T as two dots."""
+    kb = g0 * 16 + tl.arange(0, GROUPS * 16)
+    wb = tl.load(w_base[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & r_ok[None, :], other=0)
+    gg = g0 + tl.arange(0, GROUPS)
+    sc = _e8m0(tl.load(s_base[None, :] + gg[:, None], mask=(gg < K // 32)[:, None] & r_ok[None, :], other=127), 0)
+    return wb.to(tl.uint32), sc
+
+
+@triton.jit
+def _mxfp4_dot_step_kn(acc, wb, sc, x_even, x_odd, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+    """acc += x_even @ W_lo + x_odd @ W_hi: the low nibbles (even k) and high nibbles (odd k) as two dots, so
+    the decoded halves are never interleaved or transposed."""
+    lo = tl.reshape(tl.reshape(_e2m1_f32(wb), (GROUPS, 16, BLOCK_N)) * sc[:, None, :], (GROUPS * 16, BLOCK_N))
+    hi = tl.reshape(tl.reshape(_e2m1_f32(wb >> 4), (GROUPS, 16, BLOCK_N)) * sc[:, None, :], (GROUPS * 16, BLOCK_N))
+    if DOT == 0:
+        acc += tl.dot(x_even.to(tl.float32), lo, input_precision="ieee")
+        acc += tl.dot(x_odd.to(tl.float32), hi, input_precision="ieee")
+    elif DOT == 1:
+        acc += tl.dot(x_even.to(tl.bfloat16), lo.to(tl.bfloat16))
+        acc += tl.dot(x_odd.to(tl.bfloat16), hi.to(tl.bfloat16))
+    else:
+        acc += tl.dot(x_even.to(tl.float16), lo.to(tl.float16))
+        acc += tl.dot(x_odd.to(tl.float16), hi.to(tl.float16))
+    return acc
+
+
+@triton.jit
+def _mxfp4_pair_dot_kn(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, m_ok,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr,
+                       PAIR: tl.constexpr):
+    """K-major two-dot form for one (PAIR=False) or two weight matrices sharing x and the K loop."""
+    offs_e = 2 * tl.arange(0, GROUPS * 16)
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        wb1, sc1 = _mxfp4_load_kn(w1_base, s1_base, g0, K, r_ok, GROUPS)
+        if PAIR:
+            wb3, sc3 = _mxfp4_load_kn(w3_base, s3_base, g0, K, r_ok, GROUPS)
+        ke = g0 * 32 + offs_e
+        xm = m_ok[:, None] & (ke < K)[None, :]
+        x_even = tl.load(x_base[:, None] + ke[None, :], mask=xm, other=0.0)
+        x_odd = tl.load(x_base[:, None] + ke[None, :] + 1, mask=xm, other=0.0)
+        g = _mxfp4_dot_step_kn(g, wb1, sc1, x_even, x_odd, BLOCK_N, GROUPS, DOT)
+        if PAIR:
+            u = _mxfp4_dot_step_kn(u, wb3, sc3, x_even, x_odd, BLOCK_N, GROUPS, DOT)
+    return g, u
+
+
+@triton.jit
 def _mxfp4_tile_dot(w_base, s_base, x_base, K, r_ok, m_ok,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
     """Tensor-core / MFMA form: the decoded tile times its group scales, cast to the dot dtype, fed to tl.dot
@@ -272,7 +322,7 @@ def moe_gate_up_kernel(
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1, FUSE: tl.constexpr = False,
+    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1, FUSE: tl.constexpr = False, KN: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
     pid_n = tl.program_id(0)
@@ -290,7 +340,10 @@ def moe_gate_up_kernel(
         e64 = e.to(tl.int64)
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
-        if DOT >= 0:
+        if DOT >= 0 and KN:
+            g, u = _mxfp4_pair_dot_kn(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
+                                      r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT, True)
+        elif DOT >= 0:
             if FUSE:
                 g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
                                        r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
@@ -321,7 +374,7 @@ def moe_down_kernel(
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS: tl.constexpr = False,
-    DOT: tl.constexpr = -1,
+    DOT: tl.constexpr = -1, KN: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
@@ -338,7 +391,10 @@ def moe_down_kernel(
         e64 = e.to(tl.int64)
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
-        if DOT >= 0:
+        if DOT >= 0 and KN:
+            y, _ = _mxfp4_pair_dot_kn(w_at, s_at, w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT,
+                                      False)
+        elif DOT >= 0:
             y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
         elif WORDS:
             y = _mxfp4_tile_gemv_w32(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
@@ -582,6 +638,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
     ("moe_gate_up_dot", moe_gate_up_kernel,
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, WORDS=False, DOT=1, FUSE=True), 4, True),
+    ("moe_gate_up_dot_kn", moe_gate_up_kernel,
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, WORDS=False, DOT=1, FUSE=True, KN=True),
+     4, True),
+    ("moe_down_dot_kn", moe_down_kernel,
+     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1, KN=True), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
     ("moe_gate_up_w32", moe_gate_up_kernel,
