@@ -294,6 +294,12 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     wos = [fp8_weight(O_GROUPS * O_LORA, kg) for _ in range(4)]
     xo = [torch.randn(1, O_GROUPS, kg, device=DEV, dtype=torch.bfloat16, generator=GEN) for _ in range(4)]
     ms = time_graph_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos, strict=True)))
+    if sweep:
+        for mp in (0, 528):
+            saved, tri.FP8_MIN_PROGRAMS = tri.FP8_MIN_PROGRAMS, mp
+            t2 = time_graph_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos, strict=True)))
+            print(f"fp8 wo_a grouped M=1 min_programs={mp} {t2*1e3:.1f} us")
+            tri.FP8_MIN_PROGRAMS = saved
     nb = wos[0].nbytes() + O_GROUPS * kg * 2 + O_GROUPS * O_LORA * 2
     results["fp8_linear"]["wo_a_grouped_M1"] = {"us": ms * 1e3, "bytes_MB": nb / 1e6,
                                                 "frac": nb / (ms * 1e-3) / 1e12 / copy}

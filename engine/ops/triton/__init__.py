@@ -134,6 +134,7 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 FP8_GEMV_MAX_M = 0  # on the GPU the tl.dot form (rows padded to 16) beat the FMA GEMV at M=1 (bench/NOTES.md)
 FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+FP8_MIN_PROGRAMS = 264  # two per H200 SM: narrower row tiles below this
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True, "KN": False}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True, "KN": False}  # 1 token
@@ -160,6 +161,8 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < FP8_MIN_PROGRAMS:
+            bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
         launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
