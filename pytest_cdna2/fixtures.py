@@ -50,6 +50,7 @@ class Settings:
     tolerance: Profile
     regen: bool
     perf_on_cpu: bool
+    dtype: str = "float32"  # the engine's activation dtype (passed to factories that take `dtype`)
 
 
 SETTINGS = pytest.StashKey[Settings]()
@@ -83,6 +84,18 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise LookupError(f"--cdna2-engine={spec}: {module!r} has no callable {attr!r}")
     return obj
+
+
+def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, Any]:
+    """{"dtype": ...} for factories that accept it (the bundled one does; a user's may not)."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes = "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {"dtype": settings.dtype} if takes else {}
 
 
 def load_engine(spec: str, path: str | Path, device: str, backend: str, **kwargs: Any) -> Any:
@@ -180,7 +193,7 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
     except LookupError as e:
         _stop(request, f"cdna2: {e}")
     try:
-        return factory(str(s.model), device=s.device, backend=s.backend)
+        return factory(str(s.model), device=s.device, backend=s.backend, **engine_kwargs(factory, s))
     except Exception as e:  # keep the traceback for the engine's author, but stop: nothing can pass now
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise

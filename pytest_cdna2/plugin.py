@@ -39,6 +39,7 @@ BUNDLED = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 DEFAULT_MODEL = BUNDLED / "model"
 DEFAULT_GOLDENS = BUNDLED / "goldens"
 BACKENDS = ("reference", "triton")
+DTYPES = ("float32", "bfloat16", "float64")
 MARKERS = {
     "weight": "weight tier: packed FP8/FP4 tensors decode identically in the engine and independent decoders",
     "kernel": "kernel tier: each op of the backend against float64 on random inputs",
@@ -57,6 +58,8 @@ _OPTIONS = [
     ("model", "string", "checkpoint folder, official DeepSeek-V4 layout (default: the bundled tiny-v4)"),
     ("goldens", "string", "golden store folder (default: the bundled tiny-v4 goldens)"),
     ("backend", "string", "engine backend: reference or triton (default: reference)"),
+    ("dtype", "string", "activation dtype: float32, bfloat16 or float64 (default: float32 on the CPU, bfloat16 "
+     "on a GPU); picks the matching derived tolerance profile"),
     ("tolerance", "string", "tolerance profile TOML; its keys override the bundled default profile"),
     ("engine", "string", "bundled, or module:factory for your own engine: factory(path, device=, backend=)"),
     ("regen-goldens", "bool", "rebuild the goldens with the float64 reference; fails the run that does it"),
@@ -124,13 +127,16 @@ def resolve_settings(config: pytest.Config) -> Settings:
     if engine != "bundled" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", engine):
         raise pytest.UsageError(f"--cdna2-engine={engine}: expected bundled or module:factory")
 
+    dtype = str(_opt(config, "dtype")[0] or ("float32" if device == "cpu" else "bfloat16"))
+    if dtype not in DTYPES:
+        raise pytest.UsageError(f"--cdna2-dtype={dtype}: expected one of {', '.join(DTYPES)}")
     tol_v, tol_src = _opt(config, "tolerance")
     try:
-        profile = load_profile(None if tol_v is None else _path(config, tol_v, tol_src))
+        profile = load_profile(None if tol_v is None else _path(config, tol_v, tol_src), dtype=dtype)
     except ToleranceError as e:
         raise pytest.UsageError(f"--cdna2-tolerance: {e}") from None
     return Settings(tuple(selected), device, model, model_v is None, goldens, backend, engine, profile, regen,
-                    bool(_opt(config, "perf-on-cpu")[0]))
+                    bool(_opt(config, "perf-on-cpu")[0]), dtype)
 
 
 def pytest_configure(config: pytest.Config) -> None:

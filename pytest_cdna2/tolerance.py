@@ -33,7 +33,8 @@ __all__ = [
     "with_limits",
 ]
 
-DEFAULT_PROFILE = Path(__file__).with_name("tolerance_default.toml")
+DEFAULT_PROFILE = Path(__file__).with_name("tolerance_default.toml")  # float32 / float64 engines
+BF16_PROFILE = Path(__file__).with_name("tolerance_bf16.toml")  # bfloat16 / float16 engines
 
 
 class ToleranceError(ValueError):
@@ -149,15 +150,17 @@ def _apply(path: Path, data: dict[str, Any], base: dict[str, dict[str, Any]]) ->
     return name
 
 
-def load_profile(path: str | Path | None = None) -> Profile:
-    """The bundled default profile, overridden key by key by ``path`` when given."""
+def load_profile(path: str | Path | None = None, dtype: str = "float32") -> Profile:
+    """The bundled profile for the engine's activation ``dtype`` (derived for float32 or bf16), overridden
+    key by key by ``path`` when given."""
+    base = BF16_PROFILE if dtype in ("bfloat16", "float16") else DEFAULT_PROFILE
     merged: dict[str, dict[str, Any]] = {}
-    name = _apply(DEFAULT_PROFILE, _read(DEFAULT_PROFILE), merged) or "default"
+    name = _apply(base, _read(base), merged) or "default"
     for section, cls in _SECTIONS.items():  # the bundled file itself must be complete
         missing = {f.name for f in fields(cls)} - set(merged.get(section, {}))
         if missing:
-            raise ToleranceError(f"{DEFAULT_PROFILE}: [{section}] missing keys: {', '.join(sorted(missing))}")
-    source = str(DEFAULT_PROFILE)
+            raise ToleranceError(f"{base}: [{section}] missing keys: {', '.join(sorted(missing))}")
+    source = str(base)
     if path is not None:
         path = Path(path)
         user_name = _apply(path, _read(path), merged)

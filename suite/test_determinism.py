@@ -53,12 +53,13 @@ def test_devices_agree(cdna2_devices, cdna2_settings, cdna2_tolerance, cdna2_rec
     """The same model on every selected device (GCD vs GCD) gives the same logits."""
     if len(cdna2_devices) < 2:
         pytest.skip("needs several devices: --cdna2-device=N,M or all")
-    from pytest_cdna2.fixtures import load_engine
+    from pytest_cdna2.fixtures import engine_kwargs, resolve_factory
 
     s = cdna2_settings
+    factory = resolve_factory(s.engine)
     outs = []
     for dev in cdna2_devices:
-        eng = load_engine(s.engine, s.model, str(dev), s.backend)
+        eng = factory(str(s.model), device=str(dev), backend=s.backend, **engine_kwargs(factory, s))
         outs.append(eng.forward(_ids(eng)).cpu())
     for dev, out in zip(cdna2_devices[1:], outs[1:], strict=True):
         diff = (out - outs[0]).abs().max().item()

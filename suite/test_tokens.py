@@ -14,32 +14,13 @@ import pytest
 import torch
 
 from pytest_cdna2.bisect import locate
-from pytest_cdna2.compare import assert_logits_close, logit_metrics
+from pytest_cdna2.compare import assert_logits_close, logit_metrics, selection_diff
 
 pytestmark = pytest.mark.token
 
 
 def _selections_of(golden, prompt, device):
     return {k: s.indices.unsqueeze(0).to(device) for k, s in golden.selections(prompt).items()}
-
-
-def near_tie_flips(trace_selections, golden, prompt, tie_margin) -> tuple[int, int]:
-    """(flips at near-ties, flips elsewhere): positions whose selected set differs from the golden's."""
-    near, far = 0, 0
-    for key, gs in golden.selections(prompt).items():
-        mine = trace_selections.get(key)
-        if mine is None:
-            continue
-        a = mine.indices[0].sort(-1).values.cpu()
-        b = gs.indices.sort(-1).values
-        differ = (a != b).any(-1)
-        if gs.margin is None:
-            far += int(differ.sum())
-            continue
-        close = gs.margin.double() < tie_margin
-        near += int((differ & close).sum())
-        far += int((differ & ~close).sum())
-    return near, far
 
 
 def _why(engine, golden, prompt, limit) -> str:
@@ -60,6 +41,12 @@ def _why(engine, golden, prompt, limit) -> str:
     return ""
 
 
+def _record(record, m, lim, what) -> None:
+    record("kl_max", m.kl_max, lim.kl_max, what=what)
+    record("cosine_min", m.cosine_min, lim.cosine_min, higher_is_better=True, what=what)
+    record("max_abs", m.max_abs, lim.max_abs, what=what)
+
+
 def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_tolerance, cdna2_record):
     """Every step of the prompt and its golden continuation, teacher-forced, against the golden logits."""
     lim = cdna2_tolerance.token
@@ -68,25 +55,27 @@ def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_
     expected = cdna2_golden.teacher_logits(golden_prompt)
     what = f"prompt {golden_prompt}"
     out = cdna2_engine.forward(ids)[0].cpu()
-    m = logit_metrics(out, expected)
-    cdna2_record("kl_max", m.kl_max, lim.kl_max, what=what)
-    cdna2_record("cosine_min", m.cosine_min, lim.cosine_min, higher_is_better=True, what=what)
-    cdna2_record("max_abs", m.max_abs, lim.max_abs, what=what)
     try:
-        assert_logits_close(out, expected, limits=lim, what=what)
+        m = assert_logits_close(out, expected, limits=lim, what=what)
+        _record(cdna2_record, m, lim, what)
         return
     except AssertionError as first:
-        failure = first
+        failure, m = first, logit_metrics(out, expected)
     if hasattr(cdna2_engine, "trace") and cdna2_golden.selections(golden_prompt):
-        near, far = near_tie_flips(cdna2_engine.trace(ids).selections, cdna2_golden, golden_prompt, lim.tie_margin)
-        if near and not far:
+        diff = selection_diff(cdna2_engine.trace(ids).selections, cdna2_golden.selections(golden_prompt),
+                              tie_margin=lim.tie_margin)
+        if diff.near_tie and not diff.real:
             forced = cdna2_engine.forward(ids, selections=_selections_of(cdna2_golden, golden_prompt, dev))[0].cpu()
+            what += f" with the golden's selections forced ({len(diff.near_tie)} near-tie flips)"
+            m = logit_metrics(forced, expected)
             try:
-                assert_logits_close(forced, expected, limits=lim, what=what + " (golden selections forced)")
-                cdna2_record("near_tie_flips", near, float("inf"), what=what)
+                assert_logits_close(forced, expected, limits=lim, what=what)
+                _record(cdna2_record, m, lim, what)
+                cdna2_record("near_tie_flips", len(diff.near_tie), float("inf"), what=what)
                 return
             except AssertionError as again:
                 failure = again
+    _record(cdna2_record, m, lim, what)
     why = _why(cdna2_engine, cdna2_golden, golden_prompt, lim.tap_rtol_fro)
     raise AssertionError(f"{failure}{why}") from None
 

@@ -1,0 +1,78 @@
+"""The suite end to end on a checkpoint made here: goldens built by `build_goldens` pass; a flipped golden
+byte stops the run with a checksum message; an expert scale one step off fails the token tier and names
+the layer; injected faults from the catalog are caught."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pytest_cdna2.goldens import build_goldens
+from tiny_configs import make_checkpoint, make_config
+
+SUITE = Path(__file__).resolve().parent.parent / "suite"
+PROMPTS = [b"def f(x):\n    return x + 1\n" * 3, b"import os\nimport sys\n" * 4, b"class A:\n    pass\n" * 5]
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A random official-layout V4 (every layer type) and goldens for it, built as a user would."""
+    root = tmp_path_factory.mktemp("made")
+    cfg = make_config("mixed", vocab_size=256)
+    model = make_checkpoint(root / "model", cfg, seed=21)
+    build_goldens(model, root / "goldens", PROMPTS, 12, progress=False)
+    return model, root / "goldens"
+
+
+def run_suite(pytester, model, goldens, *args, env=None):
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return pytester.runpytest_subprocess(
+            str(SUITE), "-p", "no:cacheprovider", "--cdna2-device=cpu", f"--cdna2-model={model}",
+            f"--cdna2-goldens={goldens}", "-q", *args)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_goldens_built_here_pass_the_token_and_determinism_tiers(pytester, made):
+    r = run_suite(pytester, *made, "-m", "token or determinism or weight")
+    r.assert_outcomes(passed=len(PROMPTS) * 2 + 4 + 3, skipped=1)  # device-vs-device needs two devices
+
+
+def test_flipped_golden_byte_stops_the_run(pytester, made, tmp_path):
+    import shutil
+
+    model, goldens = made
+    bad = tmp_path / "goldens"
+    shutil.copytree(goldens, bad)
+    f = bad / "teacher.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01
+    f.write_bytes(bytes(data))
+    r = run_suite(pytester, model, bad, "-m", "token")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*teacher.safetensors*sha256*"])
+
+
+def test_expert_scale_off_by_one_fails_and_names_the_layer(pytester, made):
+    model, goldens = made
+    r = run_suite(pytester, model, goldens, "-m", "token", "-k", "teacher",
+                  "--cdna2-engine=cdna2_engine.faults:load_faulty",
+                  env={"CDNA2_FAULT": "expert_scale_off_by_one"})
+    assert r.ret == 1
+    r.stdout.fnmatch_lines(["*first drift at layer 2 MoE*"])
+
+
+@pytest.mark.parametrize("fault", ["rope_twice", "sink_dropped"])
+def test_attention_faults_are_caught(pytester, made, fault):
+    model, goldens = made
+    r = run_suite(pytester, model, goldens, "-m", "token", "-k", "teacher",
+                  "--cdna2-engine=cdna2_engine.faults:load_faulty", env={"CDNA2_FAULT": fault})
+    assert r.ret == 1
+    r.stdout.fnmatch_lines(["*first drift at layer 0 attention*"])

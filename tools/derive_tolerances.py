@@ -1,0 +1,139 @@
+"""Derive the token and determinism limits of a tolerance profile from measured spreads.
+
+Independent correct paths on the bundled model: the float64 goldens against the float32 reference
+engine and the float32 Triton backend (float32 profile), or against the bf16 reference (bf16 profile).
+Logit and tap metrics are measured with the golden's sparse selections forced in, as the token tier
+judges a prompt whose selections flipped at near-ties; tie_margin covers every flip seen.
+Each limit is the worst value seen over every golden prompt, times MARGIN (10x: room for other
+hardware's different but correct summation orders, still orders of magnitude below a real bug: the
+fault catalog moves KL by > 1e-2). The profile is written with the measurements beside each number.
+
+    python tools/derive_tolerances.py --dtype float32 --out pytest_cdna2/tolerance_default.toml
+    python tools/derive_tolerances.py --dtype bfloat16 --out pytest_cdna2/tolerance_bf16.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+import cdna2_engine
+from pytest_cdna2.bisect import rel_fro, tap_order
+from pytest_cdna2.compare import logit_metrics
+from pytest_cdna2.goldens import GoldenStore
+
+MARGIN = 10.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(model, store: GoldenStore, prompts: int | None = None, tokens: int | None = None) -> dict[str, float]:
+    """Worst metrics of `model` over the golden prompts (teacher-forced, taps, selection flips); `prompts`
+    and `tokens` cut the work for slow paths (Triton's interpreter on the CPU)."""
+    worst = {"kl_max": 0.0, "one_minus_cos": 0.0, "max_abs": 0.0, "top1_min": 1.0, "tap_rtol_fro": 0.0,
+             "flip_margin_max": 0.0, "flips": 0}
+    for p in store.prompts[:prompts]:
+        ids = store.input_ids(p.name).unsqueeze(0)[:, :tokens]
+        gt = {k: v[:tokens] for k, v in store.taps(p.name).items()}
+        golden_sel = store.selections(p.name)
+        free = model.trace(ids)  # its own selections: where do they flip, at which golden margins?
+        # the metrics with the golden's selections forced, as the token tier judges a near-tie flip
+        forced = {k: s.indices[:tokens].unsqueeze(0) for k, s in golden_sel.items()}
+        tr = model.trace(ids, taps=tap_order(gt), selections=forced)
+        m = logit_metrics(tr.logits[0], store.teacher_logits(p.name)[:tokens])
+        worst["kl_max"] = max(worst["kl_max"], m.kl_max)
+        worst["one_minus_cos"] = max(worst["one_minus_cos"], 1 - m.cosine_min)
+        worst["max_abs"] = max(worst["max_abs"], m.max_abs)
+        worst["top1_min"] = min(worst["top1_min"], m.top1_agreement)
+        for name, t in gt.items():
+            worst["tap_rtol_fro"] = max(worst["tap_rtol_fro"], rel_fro(tr.taps[name][0], t))
+        for key, gs in golden_sel.items():
+            mine = free.selections[key].indices[0].sort(-1).values
+            differ = (mine != gs.indices[:tokens].sort(-1).values).any(-1)
+            if differ.any() and gs.margin is not None:
+                worst["flips"] += int(differ.sum())
+                margin = gs.margin[:tokens][differ].max().item()
+                worst["flip_margin_max"] = max(worst["flip_margin_max"], margin)
+    return worst
+
+
+def determinism(model) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (4, 200), generator=g)
+    alone = model.forward(ids[:1])
+    batch = (model.forward(ids)[:1] - alone).abs().max().item()
+    gen = model.generate(ids[:1, :150], 40)
+    full = model.forward(torch.cat([ids[:1, :150], gen.tokens], 1)[:, :-1])[:, 149:]
+    return {"batch": batch, "incremental": (gen.logits - full).abs().max().item()}
+
+
+def limit(x: float, floor: float) -> float:
+    """x * MARGIN rounded up to one significant digit, never below `floor`."""
+    v = max(x * MARGIN, floor)
+    e = math.floor(math.log10(v))
+    return math.ceil(v / 10**e) * 10**e
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "goldens/tiny-v4/model")
+    ap.add_argument("--goldens", type=Path, default=ROOT / "goldens/tiny-v4/goldens")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    store = GoldenStore.open(a.goldens)
+    dtype = getattr(torch, a.dtype)
+    paths = {"reference": cdna2_engine.load_model(a.model, dtype=dtype)}
+    if a.dtype == "float32":  # the interpreter cannot run bf16
+        paths["triton"] = cdna2_engine.load_model(a.model, dtype=dtype, backend="triton")
+    # the interpreter runs every kernel program in Python: the first 4 prompts (with taps), 96 tokens
+    seen = {name: measure(m, store, *((4, 96) if name == "triton" else (None, None))) for name, m in paths.items()}
+    det = determinism(paths["reference"])
+    w = {k: (min if k == "top1_min" else max)(s[k] for s in seen.values()) for k in seen["reference"]}
+    for k, v in w.items():
+        print(f"{k:16s} {v:.3e}   " + "  ".join(f"{n}={s[k]:.3e}" for n, s in seen.items()))
+    print(f"batch {det['batch']:.3e}  incremental {det['incremental']:.3e}")
+    cos_gap = limit(w["one_minus_cos"], 1e-9)
+    tie = limit(w["flip_margin_max"], 1e-6) if w["flips"] else (1e-2 if a.dtype == "bfloat16" else 1e-4)
+    reorder = limit(max(det["batch"], det["incremental"]), 1e-12)  # both only reorder the same sums
+    stamp = f"{datetime.date.today()} on {platform.machine()} torch {torch.__version__}"
+    src = " and ".join(f"{a.dtype} {n}" for n in seen)
+    text = f'''# pytest-cdna2 tolerance profile for {a.dtype} engines, derived by tools/derive_tolerances.py
+# ({stamp}): the float64 goldens of the bundled tiny-v4 against {src},
+# worst value over every golden prompt, times a margin of {MARGIN:g} rounded up to one digit.
+# A user profile (--cdna2-tolerance=FILE) needs only the keys it changes.
+
+name = "{a.dtype}-derived"
+
+[token]
+kl_max = {limit(w["kl_max"], 1e-12):.0e}        # measured {w["kl_max"]:.2e} nats
+cosine_min = {1 - cos_gap:.12g}   # measured 1 - cos = {w["one_minus_cos"]:.2e}
+max_abs = {limit(w["max_abs"], 1e-9):.0e}       # measured {w["max_abs"]:.2e}
+top1_min = {1 - limit(1 - w["top1_min"], 1e-3):.4g}             # measured {w["top1_min"]:.4f}
+topk = 5                   # vLLM's containment check at the first greedy divergence
+tie_margin = {tie:.0e}       # {w["flips"]} flips seen, largest golden margin among them {w["flip_margin_max"]:.2e}
+tap_rtol_fro = {limit(w["tap_rtol_fro"], 1e-12):.0e}    # measured {w["tap_rtol_fro"]:.2e}
+
+[kernel]
+# DESIGN.md section 5 gates: rel. Frobenius error against float64 by operand dtype.
+rtol_fro_float64 = 1e-12
+rtol_fro_float32 = 1e-5
+rtol_fro_float16 = 1e-2
+rtol_fro_bfloat16 = 1e-2
+
+[determinism]
+repeat_max_abs = 0.0        # fixed reduction order: bit-identical
+batch_max_abs = {reorder:.0e}  # measured {det["batch"]:.2e}; a batch reorders sums as decode does (tiles by M)
+incremental_max_abs = {reorder:.0e}  # measured {det["incremental"]:.2e}
+device_max_abs = 0.0        # the same kernels on two identical GCDs
+'''
+    a.out.write_text(text)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
