@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+
 from cdna2_engine.formats import (
     block_scale_expand,
     e2m1_to_float,

@@ -6,6 +6,7 @@ import pytest
 from test_plugin_fake_engine import run_inprocess as run
 
 from pytest_cdna2 import plugin
+from pytest_cdna2.tolerance import load_profile
 
 ENGINE = "--cdna2-engine=test_plugin_fake_engine:make_model"
 OPTIONS = ["device", "model", "goldens", "backend", "tolerance", "engine", "regen-goldens", "perf-on-cpu"]
@@ -44,7 +45,7 @@ def test_header_shows_device_engine_goldens(pytester):
     r.stdout.fnmatch_lines([
         "cdna2 device: cpu (*threads, torch *)",
         "cdna2 engine: bundled backend=reference model=*",
-        "cdna2 goldens: * tolerance: default (*tolerance_default.toml)",
+        "cdna2 goldens: * tolerance: float32-derived (*tolerance_default.toml)",
     ])
 
 
@@ -92,7 +93,7 @@ def test_ini_paths_are_relative_to_the_ini_file(pytester, monkeypatch):
 def test_defaults_point_at_the_bundled_model(pytester):
     pytester.makepyfile(SHOW)
     r = run(pytester, "-s")
-    r.stdout.fnmatch_lines(["*SETTINGS reference bundled model goldens 0.001 False False"])
+    r.stdout.fnmatch_lines([f"*SETTINGS reference bundled model goldens {load_profile().token.kl_max} False False"])
     assert plugin.DEFAULT_MODEL.parts[-3:] == ("goldens", "tiny-v4", "model")
     assert plugin.DEFAULT_GOLDENS.parts[-3:] == ("goldens", "tiny-v4", "goldens")
 

@@ -10,13 +10,19 @@ from pytest_cdna2.tolerance import DEFAULT_PROFILE, ToleranceError, load_profile
 
 def test_default_profile_is_complete():
     p = load_profile()
-    assert p.name == "default" and p.path == str(DEFAULT_PROFILE)
+    assert p.name == "float32-derived" and p.path == str(DEFAULT_PROFILE)
     assert p.kernel.rtol_for(torch.float32) == 1e-5  # DESIGN.md section 5 gates
     assert p.kernel.rtol_for(torch.bfloat16) == 1e-2
     assert p.kernel.rtol_for(torch.float8_e4m3fn) == p.kernel.rtol_for(torch.bfloat16)
     assert isinstance(p.token.topk, int) and p.determinism.repeat_max_abs == 0.0
     with pytest.raises(KeyError, match="int32"):
         p.kernel.rtol_for(torch.int32)
+
+
+def test_bf16_engines_get_the_bf16_profile():
+    p32, p16 = load_profile(dtype="float32"), load_profile(dtype="bfloat16")
+    assert p16.name == "bfloat16-derived" and p16.path.endswith("tolerance_bf16.toml")
+    assert p16.token.kl_max > p32.token.kl_max and p16.token.tie_margin > p32.token.tie_margin
 
 
 def test_user_profile_overrides_only_its_keys(tmp_path):

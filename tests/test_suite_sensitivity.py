@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_cdna2.goldens import build_goldens
+
 from tiny_configs import make_checkpoint, make_config
 
 SUITE = Path(__file__).resolve().parent.parent / "suite"
