@@ -82,3 +82,56 @@ def kernel_culprit(load: Callable[[list[str]], object], passes: Callable[[object
         if passes(load([op])):
             return op
     return None
+
+
+def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str = "float32",
+               device: str = "cpu", engine: str = "bundled", prompts: list[str] | None = None) -> list[str]:
+    """`cdna2 bisect`: judge every golden prompt (teacher-forced, golden selections forced so near-tie
+    flips do not count), and for the first that fails name its first drifting tap and, on the triton
+    backend, the first op whose reference twin removes the failure. Returns report lines."""
+    from pytest_cdna2.compare import assert_logits_close
+    from pytest_cdna2.fixtures import resolve_factory
+    from pytest_cdna2.goldens import GoldenStore
+    from pytest_cdna2.tolerance import load_profile
+
+    lim = load_profile(dtype=dtype).token
+    factory = resolve_factory(engine)
+
+    def load(reference_ops: list[str] | None = None):
+        kw = {"dtype": dtype} if engine == "bundled" else {}
+        if reference_ops is not None:
+            kw["reference_ops"] = reference_ops
+        return factory(str(model_dir), device=device, backend=backend, **kw)
+
+    model = load()
+    store = GoldenStore.open(goldens_dir, expected_model_sha256=getattr(model, "checkpoint_sha256", lambda: None)())
+    names = prompts or [p.name for p in store.prompts]
+
+    def judge(m, name: str) -> str | None:
+        ids = store.input_ids(name).unsqueeze(0).to(m.device)
+        forced = {k: s.indices.unsqueeze(0).to(m.device) for k, s in store.selections(name).items()}
+        try:
+            assert_logits_close(m.forward(ids, selections=forced)[0].cpu(), store.teacher_logits(name), limits=lim,
+                                what=f"prompt {name}")
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    lines = []
+    for name in names:
+        failure = judge(model, name)
+        lines.append(f"{name}: {'FAIL ' + failure if failure else 'ok'}")
+        if not failure:
+            continue
+        taps = store.taps(name) or next((store.taps(p.name) for p in store.prompts if store.taps(p.name)), {})
+        if taps:
+            tap_prompt = name if store.taps(name) else next(p.name for p in store.prompts if store.taps(p.name))
+            ids = store.input_ids(tap_prompt).unsqueeze(0).to(model.device)
+            drift = locate(model, ids, taps, lim.tap_rtol_fro)
+            lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt})")
+        if backend == "triton" and engine == "bundled":
+            op = kernel_culprit(load, lambda m, name=name: judge(m, name) is None)
+            lines.append(f"  kernel: {op} (switching it back to the reference removes the failure)" if op else
+                         "  kernel: no single op's reference twin removes the failure")
+        break
+    return lines

@@ -1,4 +1,4 @@
-"""``cdna2`` console script: convert checkpoints, build and verify goldens, list devices.
+"""``cdna2`` console script: convert checkpoints, build and verify goldens, bisect a failure, list devices.
 
 Exit codes: 0 success; 1 a check ran and failed (``goldens verify`` found a bad file); 2 bad input (missing
 folders, bad arguments, an existing store without ``--regen``), always with one ``cdna2: error:`` line.
@@ -88,6 +88,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bisect(args: argparse.Namespace) -> int:
+    """Name the first failing prompt's drifting layer/sub-block and, on triton, the culprit kernel."""
+    from pytest_cdna2.bisect import bisect_run
+
+    lines = bisect_run(_existing_dir(args.model, "--model"), _existing_dir(args.goldens, "--goldens"),
+                       backend=args.backend, dtype=args.dtype, device=args.device, engine=args.engine,
+                       prompts=args.prompt or None)
+    print("\n".join(lines))
+    return 1 if any(" FAIL " in f" {ln}" for ln in lines) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="cdna2", description="pytest-cdna2 tools: checkpoints, goldens, devices")
@@ -97,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--hf", required=True, metavar="SRC", help="transformers save_pretrained folder")
     c.add_argument("--out", required=True, metavar="DST", help="new folder for the official layout")
     c.set_defaults(func=cmd_convert)
+
+    bi = sub.add_parser("bisect", help="name where an engine first drifts from the goldens")
+    bi.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
+    bi.add_argument("--goldens", required=True, metavar="DIR", help="golden store of that model")
+    bi.add_argument("--backend", default="reference", choices=("reference", "triton"))
+    bi.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    bi.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    bi.add_argument("--engine", default="bundled", help="bundled or module:factory")
+    bi.add_argument("--prompt", action="append", metavar="NAME", help="only these golden prompts (repeatable)")
+    bi.set_defaults(func=cmd_bisect)
 
     g = sub.add_parser("goldens", help="build or verify a golden store")
     gsub = g.add_subparsers(dest="goldens_command", required=True, metavar="ACTION")

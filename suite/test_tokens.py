@@ -47,7 +47,32 @@ def _record(record, m, lim, what) -> None:
     record("max_abs", m.max_abs, lim.max_abs, what=what)
 
 
-def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_tolerance, cdna2_record):
+def _kernel(settings, golden, prompt, lim) -> str:
+    """On the bundled triton backend: the first op whose reference twin makes this prompt pass."""
+    if settings.backend != "triton" or settings.engine != "bundled":
+        return ""
+    import cdna2_engine
+    from pytest_cdna2.bisect import kernel_culprit
+
+    def load(ref_ops):
+        return cdna2_engine.load_model(settings.model, device=settings.device, backend="triton",
+                                       dtype=settings.dtype, reference_ops=ref_ops)
+
+    def passes(m) -> bool:
+        ids = golden.input_ids(prompt).unsqueeze(0).to(m.device)
+        forced = {k: s.indices.unsqueeze(0).to(m.device) for k, s in golden.selections(prompt).items()}
+        try:
+            assert_logits_close(m.forward(ids, selections=forced)[0].cpu(), golden.teacher_logits(prompt), limits=lim)
+        except AssertionError:
+            return False
+        return True
+
+    op = kernel_culprit(load, passes)
+    return f" [kernel {op}: its reference twin removes the failure]" if op else " [no single kernel explains it]"
+
+
+def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_tolerance, cdna2_record,
+                               cdna2_settings):
     """Every step of the prompt and its golden continuation, teacher-forced, against the golden logits."""
     lim = cdna2_tolerance.token
     dev = torch.device(cdna2_engine.device)
@@ -77,6 +102,7 @@ def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_
                 failure = again
     _record(cdna2_record, m, lim, what)
     why = _why(cdna2_engine, cdna2_golden, golden_prompt, lim.tap_rtol_fro)
+    why += _kernel(cdna2_settings, cdna2_golden, golden_prompt, lim)
     raise AssertionError(f"{failure}{why}") from None
 
 

@@ -1,0 +1,60 @@
+"""Bisection names the first drifting tap (layer and sub-block) and, on the triton backend, the kernel
+whose switch back to its reference removes the failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cdna2_engine.ops.triton as tri
+from cdna2_engine.ops import OP_NAMES, reference
+from pytest_cdna2.bisect import BLOCKS, first_drift, tap_order
+from pytest_cdna2.cli import main
+from pytest_cdna2.goldens import build_goldens
+
+from tiny_configs import make_checkpoint, make_config
+
+
+def test_tap_order_is_forward_order():
+    names = ["1.ffn", "0.attn", "1.attn_in", "0.ffn_out", "10.attn", "0.attn_in", "x", "2.bogus"]
+    assert tap_order(names) == ["0.attn_in", "0.attn", "0.ffn_out", "1.attn_in", "1.ffn", "10.attn"]
+
+
+def test_first_drift_names_the_earliest_tap_over_its_limit():
+    g = torch.Generator().manual_seed(0)
+    expected = {n: torch.randn(5, 8, generator=g) for n in ("0.attn_in", "0.attn_out", "0.attn", "1.ffn_out")}
+    actual = {n: t.clone() for n, t in expected.items()}
+    actual["0.attn"] += 1.0  # later taps inherit the error; the first one over names the block
+    actual["1.ffn_out"] += 1.0
+    d = first_drift(actual, expected, 1e-3)
+    assert (d.tap, d.layer, d.block) == ("0.attn", 0, BLOCKS["attn"]) and d.rel > 1e-3
+    assert "first drift at layer 0 hyper-connection (post-attention mix)" in str(d)
+    assert first_drift(expected, expected, 1e-12) is None
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bisect")
+    cfg = make_config("csa-only", vocab_size=256)
+    model = make_checkpoint(root / "model", cfg, seed=4)
+    build_goldens(model, root / "goldens", [b"abc" * 6, b"xyz" * 5], 3, progress=False)
+    return model, root / "goldens"
+
+
+def test_cli_bisect_passes_a_correct_engine(small, capsys):
+    model, goldens = small
+    assert main(["bisect", "--model", str(model), "--goldens", str(goldens)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["p00: ok", "p01: ok"]
+
+
+def test_cli_bisect_names_the_broken_kernel(small, capsys, monkeypatch):
+    """Every triton op replaced by its reference except a broken rms_norm (epsilon 100x too large)."""
+    model, goldens = small
+    for op in OP_NAMES:
+        monkeypatch.setattr(tri, op, getattr(reference, op), raising=False)
+    monkeypatch.setattr(tri, "rms_norm", lambda x, w, eps: reference.rms_norm(x, w, eps * 1e5))
+    assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--backend", "triton"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("p00: FAIL prompt p00:")
+    assert "first drift at layer 0" in out
+    assert "kernel: rms_norm (switching it back to the reference removes the failure)" in out
