@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, checkpoint_sha256, convert_hf_checkpoint, read_checkpoint
+from .checkpoint import CheckpointError, convert_hf_checkpoint, read_checkpoint
 from .config import Config, ConfigError
 from .model import Generation, Model, Selection, Trace
 from .ops import get_ops
@@ -48,4 +48,4 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
         raise ValueError(f"dtype {dtype} is not a float compute dtype: use one of {sorted(_DTYPES)}")
     cfg, weights = read_checkpoint(path)
     ops = get_ops(backend, reference_ops)
-    return Model(cfg, weights, device=device, dtype=dtype, ops=ops, sha256=checkpoint_sha256(path))
+    return Model(cfg, weights, device=device, dtype=dtype, ops=ops, source=str(path))

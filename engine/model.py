@@ -169,7 +169,7 @@ class Attention:
         k = min(cfg.index_topk, T)
         if k == 0:
             return torch.full((B, S, 0), -1, dtype=torch.long, device=x.device)
-        if forced is not None:
+        if forced is not None and not ctx.recording:
             return forced
         cos, sin = m.rope_c(pos.expand(B, S))
         q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
@@ -180,7 +180,7 @@ class Attention:
         idx, margin = ops.topk(scores, k)
         idx = torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx)
         ctx.record(self.i, "indexer", idx, torch.nan_to_num(margin, nan=float("inf")))
-        return idx
+        return idx if forced is None else forced  # forced: the engine's own pick is recorded, not used
 
 
 class MoE:
@@ -204,13 +204,13 @@ class MoE:
         else:
             scores = logits.softmax(-1)
         forced = ctx.forced(self.i, "router")
-        if forced is not None:
-            idx = forced.reshape(-1, cfg.num_experts_per_tok)
-        elif self.hash:
+        if self.hash:
             idx = w[p + "gate.tid2eid"][ids.reshape(-1)].long()
-        else:
+        elif forced is None or ctx.recording:  # forced: the engine's own pick is still recorded
             idx, margin = ops.topk(scores + w[p + "gate.bias"].to(scores.dtype), cfg.num_experts_per_tok)
             ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
+        if forced is not None:
+            idx = forced.reshape(-1, cfg.num_experts_per_tok)
         weights = scores.gather(1, idx)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         e = m.experts[self.i]
@@ -228,6 +228,10 @@ class _Ctx:
         self._forced, self._record = forced or {}, record
         self.selections: dict[tuple[int, str], Selection] = {}
         self.taps_wanted, self.taps = set(taps), {}
+
+    @property
+    def recording(self) -> bool:
+        return self._record
 
     def forced(self, layer: int, kind: str) -> torch.Tensor | None:
         sel = self._forced.get((layer, kind))
@@ -247,8 +251,8 @@ class Model:
     `generate` (greedy incremental decode). Weights stay in their stored (packed) form on `device`."""
 
     def __init__(self, cfg: Config, weights: dict, *, device: torch.device, dtype: torch.dtype, ops,
-                 sha256: str | None = None):
-        self.cfg, self.device, self.dtype, self.ops, self._sha = cfg, device, dtype, ops, sha256
+                 source: str | None = None):
+        self.cfg, self.device, self.dtype, self.ops, self.source, self._sha = cfg, device, dtype, ops, source, None
         self.w = {k: (v.to(device) if isinstance(v, (QWeight, torch.Tensor)) else v) for k, v in weights.items()}
         self.rope_main, self.rope_c = _Rope(cfg, False, device), _Rope(cfg, True, device)
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
@@ -271,6 +275,12 @@ class Model:
         return self.cfg
 
     def checkpoint_sha256(self) -> str | None:
+        """sha256 over the checkpoint's config.json and safetensors (computed on first use: it reads every
+        byte, minutes for a full-size checkpoint)."""
+        if self._sha is None and self.source is not None:
+            from .checkpoint import checkpoint_sha256
+
+            self._sha = checkpoint_sha256(self.source)
         return self._sha
 
     def weight_bytes(self) -> int:
@@ -296,7 +306,10 @@ class Model:
     def trace(self, input_ids: torch.Tensor, *, taps: tuple[str, ...] | list[str] = (),
               selections: dict | None = None) -> Trace:
         """A full prefill that also records every sparse selection (with margins) and the named taps
-        (see `tap_names`: e.g. "L.attn", "L.ffn", the hyper-connection streams after layer L's blocks)."""
+        (see `tap_names`: e.g. "L.attn", "L.ffn", the hyper-connection streams after layer L's blocks).
+        With `selections` forced, the recorded selections are the engine's own picks given that upstream
+        (so a flip there is this layer's rounding, not a consequence of an earlier flip); the forced ones
+        are what the forward uses."""
         self._check_taps(taps)
         ctx = _Ctx(selections, True, tuple(taps))
         logits = self.step(input_ids, self.new_cache(), ctx)

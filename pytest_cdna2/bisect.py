@@ -85,16 +85,17 @@ def kernel_culprit(load: Callable[[list[str]], object], passes: Callable[[object
 
 
 def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str = "float32",
-               device: str = "cpu", engine: str = "bundled", prompts: list[str] | None = None) -> list[str]:
-    """`cdna2 bisect`: judge every golden prompt (teacher-forced, golden selections forced so near-tie
-    flips do not count), and for the first that fails name its first drifting tap and, on the triton
-    backend, the first op whose reference twin removes the failure. Returns report lines."""
-    from pytest_cdna2.compare import assert_logits_close
+               device: str = "cpu", engine: str = "bundled", prompts: list[str] | None = None,
+               tolerance: str | None = None) -> list[str]:
+    """`cdna2 bisect`: judge every golden prompt as the token tier does (pytest_cdna2.judge), and for the
+    first that fails name its first drifting tap (golden selections forced, so near-tie flips do not move
+    the taps) and, on the bundled triton backend, the first op whose reference twin makes it pass."""
     from pytest_cdna2.fixtures import resolve_factory
     from pytest_cdna2.goldens import GoldenStore
+    from pytest_cdna2.judge import forced_selections, judge_prompt
     from pytest_cdna2.tolerance import load_profile
 
-    lim = load_profile(dtype=dtype).token
+    lim = load_profile(tolerance, dtype=dtype).token
     factory = resolve_factory(engine)
 
     def load(reference_ops: list[str] | None = None):
@@ -104,33 +105,22 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         return factory(str(model_dir), device=device, backend=backend, **kw)
 
     model = load()
-    store = GoldenStore.open(goldens_dir, expected_model_sha256=getattr(model, "checkpoint_sha256", lambda: None)())
-    names = prompts or [p.name for p in store.prompts]
-
-    def judge(m, name: str) -> str | None:
-        ids = store.input_ids(name).unsqueeze(0).to(m.device)
-        forced = {k: s.indices.unsqueeze(0).to(m.device) for k, s in store.selections(name).items()}
-        try:
-            assert_logits_close(m.forward(ids, selections=forced)[0].cpu(), store.teacher_logits(name), limits=lim,
-                                what=f"prompt {name}")
-        except AssertionError as e:
-            return str(e)
-        return None
-
+    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
+    store = GoldenStore.open(goldens_dir, expected_model_sha256=sha)
     lines = []
-    for name in names:
-        failure = judge(model, name)
-        lines.append(f"{name}: {'FAIL ' + failure if failure else 'ok'}")
-        if not failure:
+    for name in prompts or [p.name for p in store.prompts]:
+        verdict = judge_prompt(model, store, name, lim)
+        lines.append(f"{name}: {'ok' if verdict.ok else 'FAIL ' + verdict.message}")
+        if verdict.ok:
             continue
-        taps = store.taps(name) or next((store.taps(p.name) for p in store.prompts if store.taps(p.name)), {})
-        if taps:
-            tap_prompt = name if store.taps(name) else next(p.name for p in store.prompts if store.taps(p.name))
+        tap_prompt = next((n for n in [name] + [p.name for p in store.prompts] if store.taps(n)), None)
+        if tap_prompt:
             ids = store.input_ids(tap_prompt).unsqueeze(0).to(model.device)
-            drift = locate(model, ids, taps, lim.tap_rtol_fro)
+            drift = locate(model, ids, store.taps(tap_prompt), lim.tap_rtol_fro,
+                           selections=forced_selections(store, tap_prompt, model.device))
             lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt})")
         if backend == "triton" and engine == "bundled":
-            op = kernel_culprit(load, lambda m, name=name: judge(m, name) is None)
+            op = kernel_culprit(load, lambda m, name=name: judge_prompt(m, store, name, lim).ok)
             lines.append(f"  kernel: {op} (switching it back to the reference removes the failure)" if op else
                          "  kernel: no single op's reference twin removes the failure")
         break

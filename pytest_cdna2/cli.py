@@ -94,7 +94,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
     lines = bisect_run(_existing_dir(args.model, "--model"), _existing_dir(args.goldens, "--goldens"),
                        backend=args.backend, dtype=args.dtype, device=args.device, engine=args.engine,
-                       prompts=args.prompt or None)
+                       prompts=args.prompt or None, tolerance=args.tolerance)
     print("\n".join(lines))
     return 1 if any(" FAIL " in f" {ln}" for ln in lines) else 0
 
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     bi.add_argument("--engine", default="bundled", help="bundled or module:factory")
     bi.add_argument("--prompt", action="append", metavar="NAME", help="only these golden prompts (repeatable)")
+    bi.add_argument("--tolerance", metavar="FILE", help="tolerance profile TOML, as --cdna2-tolerance")
     bi.set_defaults(func=cmd_bisect)
 
     g = sub.add_parser("goldens", help="build or verify a golden store")

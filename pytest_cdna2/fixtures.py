@@ -116,8 +116,9 @@ def regenerate_goldens(settings: Settings) -> GoldenStore:
         tap_prompts = old.get("tap_prompts")
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    kwargs = {"dtype": torch.float64} if settings.engine == "bundled" else {}
-    model = load_engine(settings.engine, settings.model, "cpu", "reference", **kwargs)
+    import cdna2_engine  # the goldens are the bundled float64 reference's, whatever engine is under test
+
+    model = cdna2_engine.load_model(settings.model, device="cpu", backend="reference", dtype=torch.float64)
     return build_goldens(settings.model, settings.goldens, prompts, steps, model=model, regen=True,
                          tolerance_profile=settings.tolerance.name, tap_prompts=tap_prompts, progress=False)
 

@@ -130,20 +130,27 @@ def tier_of(keywords: Iterable[str]) -> str | None:
 class PerfGate:
     """Perf tests run last and only when every other test of the session passed (or skipped)."""
 
+    REQUIRED = ("weight", "kernel", "token")  # correctness tiers that must have passed in this session
+
     def __init__(self) -> None:
         self.failed: list[str] = []
+        self.passed_tiers: set[str] = set()
 
     def record(self, report: pytest.TestReport) -> None:
-        """Remember a failed non-perf test (any phase)."""
+        """Remember a failed non-perf test (any phase) and which tiers had a passing test."""
         if report.failed and "perf" not in report.keywords and report.nodeid not in self.failed:
             self.failed.append(report.nodeid)
+        if report.when == "call" and report.passed:
+            tier = tier_of(report.keywords)
+            if tier:
+                self.passed_tiers.add(tier)
 
     def skip_reason(self, *, device: str, xdist_worker: bool, perf_on_cpu: bool) -> str | None:
         """Why a perf test must not run now, or None when it may."""
         if xdist_worker:
             return (
-                "cdna2 perf: gated on the whole session, which xdist splits over workers; run the perf "
-                "tier without -n (e.g. `pytest -m perf -p no:xdist`) after the correctness run"
+                "cdna2 perf: gated on the whole session, which xdist splits over workers; run the "
+                "suite without -n (`pytest --cdna2-device=N -p no:xdist`), correctness tiers and perf in one run"
             )
         if self.failed:
             shown = ", ".join(self.failed[:10])
@@ -152,6 +159,10 @@ class PerfGate:
             return f"cdna2 perf: skipped because {len(self.failed)} correctness test(s) failed: {shown}"
         if device == "cpu" and not perf_on_cpu:
             return "cdna2 perf: the device is the CPU; perf numbers need a GPU (--cdna2-device=N)"
+        missing = [t for t in self.REQUIRED if t not in self.passed_tiers]
+        if missing:
+            return (f"cdna2 perf: no passing {', '.join(missing)} test in this session; perf runs only after the "
+                    "correctness tiers passed in the same run (run the whole suite, not -m perf)")
         return None
 
 

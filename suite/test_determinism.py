@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_cdna2.judge import batch_spread, incremental_spread, probe_ids
+
 pytestmark = pytest.mark.determinism
 
-PROMPT = b"def find(self, key):\n    for i, item in enumerate(self.items):\n        if item == key:\n"
-
-
-def _ids(engine, text: bytes = PROMPT, repeat: int = 1) -> torch.Tensor:
-    vocab = engine.config.vocab_size
-    return torch.tensor([[b % vocab for b in text * repeat]], device=engine.device)
+def _ids(engine, repeat: int = 1) -> torch.Tensor:
+    return probe_ids(engine, repeat)
 
 
 def test_repeat_runs_are_bit_identical(cdna2_engine, cdna2_tolerance, cdna2_record):
@@ -25,25 +23,16 @@ def test_repeat_runs_are_bit_identical(cdna2_engine, cdna2_tolerance, cdna2_reco
 
 
 def test_batch_of_one_matches_batch_of_many(cdna2_engine, cdna2_tolerance, cdna2_record):
-    ids = _ids(cdna2_engine, repeat=2)
-    g = torch.Generator().manual_seed(0)
-    others = torch.randint(0, cdna2_engine.config.vocab_size, (3, ids.shape[1]), generator=g).to(ids.device)
-    alone = cdna2_engine.forward(ids)
-    for row in range(4):  # the prompt at every batch position
-        batch = torch.cat([others[:row], ids, others[row:]], 0)
-        together = cdna2_engine.forward(batch)[row:row + 1]
-        diff = (alone - together).abs().max().item()
-        cdna2_record("batch_max_abs", diff, cdna2_tolerance.determinism.batch_max_abs, what=f"row {row}")
-        assert diff <= cdna2_tolerance.determinism.batch_max_abs, f"row {row} of a batch of 4 differs by {diff:.3e}"
+    limit = cdna2_tolerance.determinism.batch_max_abs
+    for row, diff in enumerate(batch_spread(cdna2_engine)):
+        cdna2_record("batch_max_abs", diff, limit, what=f"row {row}")
+        assert diff <= limit, f"the probe at row {row} of a batch of 4 differs from batch 1 by {diff:.3e}"
 
 
 def test_incremental_decode_matches_prefill(cdna2_engine, cdna2_tolerance, cdna2_record):
-    """Greedy decode (prefill + one step per token) against one prefill of the same tokens; the prompt is
+    """Greedy decode (prefill + one step per token) against one prefill of the same tokens; the probe is
     long enough to wrap the sliding window and close compression windows during the decode."""
-    ids = _ids(cdna2_engine, repeat=2)
-    gen = cdna2_engine.generate(ids, 40)
-    full = cdna2_engine.forward(torch.cat([ids, gen.tokens], 1)[:, :-1])[:, ids.shape[1] - 1:]
-    diff = (gen.logits.float() - full.float()).abs().max().item()
+    diff = incremental_spread(cdna2_engine)
     limit = cdna2_tolerance.determinism.incremental_max_abs
     cdna2_record("incremental_max_abs", diff, limit)
     assert diff <= limit, f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"

@@ -22,9 +22,17 @@ SHAPES = [(1, 1), (1, 7), (2, 5)]  # (batch, tokens)
 
 @pytest.fixture(scope="module")
 def ops(cdna2_settings):
+    """The backend's op table, with every kernel output buffer poisoned (NaN) before the kernel writes it,
+    so an element a kernel never writes shows up as NaN."""
     if cdna2_settings.engine != "bundled":
         pytest.skip("the kernel tier checks the bundled engine's ops; your engine is judged by the token tier")
-    return get_ops(cdna2_settings.backend)
+    mp = pytest.MonkeyPatch()
+    if cdna2_settings.backend == "triton":
+        import cdna2_engine.ops.triton as tri
+
+        mp.setattr(tri, "POISON", True)
+    yield get_ops(cdna2_settings.backend)
+    mp.undo()
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -39,13 +47,19 @@ def rnd(*shape, dev, dtype=torch.float32, scale=1.0):
 
 
 def fp8_weight(n, k, dev):
-    w8, s = formats.fp8_block_quantize(torch.randn(n, k) / k**0.5)
-    return QWeight(w8.to(dev), s.to(dev), "fp8")
+    """Random E4M3 bytes (every code but NaN: subnormals and the largest values too) and random scales."""
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # NaN codes -> 1.0
+    nb = ((n + 127) // 128, (k + 127) // 128)
+    scale = torch.randint(127 - 12, 127 - 6, nb, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return QWeight(codes.view(torch.float8_e4m3fn).to(dev), scale.to(dev), "fp8")
 
 
 def mxfp4_stack(e, n, k, dev):
-    p, s = formats.mxfp4_quantize(torch.randn(e, n, k) / k**0.5)
-    return QWeight(p.to(dev), s.to(dev), "mxfp4")
+    """Random E2M1 nibbles (all 16 codes) and random UE8M0 scales per 32."""
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8).view(torch.int8)
+    scale = torch.randint(127 - 6, 127 - 2, (e, n, k // 32), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return QWeight(packed.to(dev), scale.to(dev), "mxfp4")
 
 
 def f64(t):

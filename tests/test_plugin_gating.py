@@ -27,6 +27,10 @@ def test_tokens(ok, cdna2_record):
 def test_kernel(cdna2_record):
     cdna2_record("rel_fro", 3e-6, 1e-5)
 
+@pytest.mark.weight
+def test_weight():
+    pass
+
 def test_untiered():
     pass
 """
@@ -35,7 +39,7 @@ def test_untiered():
 def test_perf_runs_last_when_everything_passed(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-perf-on-cpu", "-v", "-s")
-    r.assert_outcomes(passed=5)
+    r.assert_outcomes(passed=6)
     lines = [line for line in r.outlines if "::" in line and ("PASSED" in line or "PERF RAN" in line)]
     assert "test_bench" in lines[-1]  # defined first in the file, run last
 
@@ -43,7 +47,7 @@ def test_perf_runs_last_when_everything_passed(pytester):
 def test_perf_skipped_naming_the_failed_tests(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
-    r.assert_outcomes(passed=3, failed=1, skipped=1)
+    r.assert_outcomes(passed=4, failed=1, skipped=1)
     r.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] *cdna2 perf: skipped because 1 correctness test(s) failed: "
         "test_perf_skipped_naming_the_failed_tests.py::test_tokens[[]False[]]"
@@ -51,10 +55,19 @@ def test_perf_skipped_naming_the_failed_tests(pytester):
     assert "PERF RAN" not in r.stdout.str()
 
 
+def test_perf_alone_is_not_gated_by_nothing(pytester):
+    """`-m perf` deselects the correctness tiers: perf must not run ungated."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-m", "perf", "-rs")
+    r.assert_outcomes(skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: no passing weight, kernel, token test in this session*"])
+    assert "PERF RAN" not in r.stdout.str()
+
+
 def test_perf_skipped_on_cpu(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-device=cpu", "-rs")
-    r.assert_outcomes(passed=4, skipped=1)
+    r.assert_outcomes(passed=5, skipped=1)
     r.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] test_perf_skipped_on_cpu.py:*: cdna2 perf: the device is the CPU; perf numbers need a GPU "
         "(--cdna2-device=N)"
@@ -102,7 +115,7 @@ def test_no_summary_without_tiered_tests(pytester):
 
 def test_metrics_land_in_junit_xml(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
-    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=4, skipped=1)
+    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=5, skipped=1)
     xml = (pytester.path / "out.xml").read_text()
     assert '<property name="cdna2_metric" value="{' in xml and "'metric': 'kl_max', 'value': 0.0001" in xml
 
@@ -113,18 +126,18 @@ def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, mo
     pytester.makepyfile(TESTS.format(ok2=True))
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     r = pytester.runpytest_subprocess("-n", "1", "--cdna2-device=cpu", "--cdna2-perf-on-cpu", "-rs", *FAST)
-    r.assert_outcomes(passed=4, skipped=1)
+    r.assert_outcomes(passed=5, skipped=1)
     r.stdout.fnmatch_lines([
         "token        2 passed, 0 failed, 0 skipped",
         "    worst kl_max 1.000e-04 (limit <= 1.000e-03, ok) in *",
-        "*cdna2 perf: gated on the whole session, which xdist splits over workers; run the perf tier without -n*",
+        "*cdna2 perf: gated on the whole session, which xdist splits over workers; run the suite without -n*",
     ])
 
 
 def test_metrics_are_attached_to_allure_as_csv(pytester):
     pytest.importorskip("allure")
     pytester.makepyfile(TESTS.format(ok2=True))
-    run(pytester, "--alluredir=allure").assert_outcomes(passed=4, skipped=1)
+    run(pytester, "--alluredir=allure").assert_outcomes(passed=5, skipped=1)
     csvs = [p.read_text() for p in (pytester.path / "allure").glob("*-attachment.csv")]
     assert len(csvs) == 3  # test_tokens x2 and test_kernel
     assert "metric,value,op,limit,ok,what\nrel_fro,3e-06,<=,1e-05,True,\n" in csvs

@@ -1,9 +1,11 @@
 """The engine against transformers' DeepseekV4ForCausalLM (an independent implementation) on the same
 official-layout checkpoint, loaded with FineGrainedFP8Config(dequantize=True).
 
-Tolerances (issue 2): transformers keeps float32 islands (cos/sin, router, hc) even in float64, about 1e-7
-relative on its own, so float64 agreement is asserted at 1e-5. In float32 both sides round differently;
+Tolerances (the engine issue's done-when, #2 in the tracker): transformers keeps float32 islands (cos/sin,
+router, hc) even in float64, about 1e-7 relative on its own, so float64 agreement is asserted at 1e-5. In
+float32 both sides round differently and a sparse top-k may flip at a near-tie, moving one position far:
 >= 99% of positions within 1e-4 and the same argmax wherever the reference's top-2 margin exceeds 1e-3.
+Measured here (2026-11-29): float64 worst 1.6e-6; float32 worst 2.4e-6 over the four configs (no flip).
 """
 
 from __future__ import annotations
@@ -90,6 +92,11 @@ def test_converted_hf_checkpoint_round_trips(tmp_path):
     with torch.no_grad():
         ref = load_hf(dst, torch.float64)(ids).logits
     assert rel_per_position(ours, ref).max() <= 1e-5
-    # the engine also reads the transformers folder itself (dense weights): quantization moved it, a bit
+    # the engine also reads the transformers folder itself (dense weights, transformers' saved key names):
+    # it must agree with transformers on that same folder, as closely as on the official one
     dense = cdna2_engine.load_model(tmp_path / "hf", dtype=torch.float64).forward(ids)
-    assert rel_per_position(dense, ours).median() < 0.2
+    hf = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).double()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        ref_dense = hf.eval()(ids).logits
+    assert rel_per_position(dense, ref_dense).max() <= 1e-5

@@ -1,0 +1,97 @@
+"""How one golden prompt is judged, shared by the token tier, `cdna2 bisect` and the kernel search.
+
+Sparse selections are discontinuous: where the golden's k-th and (k+1)-th scores nearly tie, a correct
+engine in lower precision may pick the other entry, and that flip moves the logits far more than rounding.
+So when the teacher-forced logits fail, the prompt is run again with the golden's selections forced in;
+the engine then records, at every layer, its own pick given the golden's upstream (a flip there is that
+layer's rounding, not the echo of an earlier flip). If every such flip sits at a near-tie (golden margin <
+tie_margin), the forced logits are judged; a flip away from a near-tie is a bug and fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_cdna2.compare import LogitMetrics, assert_logits_close, logit_metrics, selection_diff
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    message: str  # the failure, one line ("" when ok)
+    metrics: LogitMetrics  # of the logits that were judged
+    near_tie_flips: int  # > 0: judged with the golden's selections forced
+
+
+def forced_selections(store: Any, name: str, device: Any) -> dict:
+    return {k: s.indices.unsqueeze(0).to(device) for k, s in store.selections(name).items()}
+
+
+def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
+    """Teacher-forced logits of prompt `name` against the golden, with the near-tie rule above."""
+    dev = torch.device(engine.device)
+    ids = store.input_ids(name).unsqueeze(0).to(dev)
+    expected = store.teacher_logits(name)
+    what = f"prompt {name}"
+    out = engine.forward(ids)[0].cpu()
+    try:
+        return Verdict(True, "", assert_logits_close(out, expected, limits=limits, what=what), 0)
+    except AssertionError as e:
+        failure, metrics = str(e), logit_metrics(out, expected)
+    golden = store.selections(name)
+    if not golden or not hasattr(engine, "trace"):
+        return Verdict(False, failure, metrics, 0)
+    tr = engine.trace(ids, selections=forced_selections(store, name, dev))
+    try:
+        diff = selection_diff(tr.selections, golden, tie_margin=limits.tie_margin)
+    except ValueError as e:
+        return Verdict(False, f"{what}: the engine's recorded selections do not match the golden's: {e}", metrics, 0)
+    if diff.real:
+        layer, kind, pos = diff.first_real
+        return Verdict(False, f"{failure}; {len(diff.real)} selections differ away from near-ties (first: "
+                       f"layer {layer} {kind} at step {pos})", metrics, 0)
+    if not diff.near_tie:
+        return Verdict(False, failure, metrics, 0)
+    n = len(diff.near_tie)
+    forced = tr.logits[0].cpu()
+    metrics = logit_metrics(forced, expected)
+    try:
+        assert_logits_close(forced, expected, limits=limits, what=f"{what} with the golden's selections forced "
+                                                                   f"({n} near-tie flips)")
+    except AssertionError as e:
+        return Verdict(False, str(e), metrics, n)
+    return Verdict(True, "", metrics, n)
+
+
+PROBE = b"def find(self, key):\n    for i, item in enumerate(self.items):\n        if item == key:\n"
+
+
+def probe_ids(engine: Any, repeat: int = 1) -> torch.Tensor:
+    """A fixed byte-level prompt (mod the vocabulary), [1, T] on the engine's device."""
+    vocab = engine.config.vocab_size
+    return torch.tensor([[b % vocab for b in PROBE * repeat]], device=engine.device)
+
+
+def batch_spread(engine: Any) -> list[float]:
+    """Max |logit difference| of the probe alone vs at each row of a batch of 4 (other rows random)."""
+    ids = probe_ids(engine, repeat=2)
+    g = torch.Generator().manual_seed(0)
+    others = torch.randint(0, engine.config.vocab_size, (3, ids.shape[1]), generator=g).to(ids.device)
+    alone = engine.forward(ids)
+    out = []
+    for row in range(4):
+        batch = torch.cat([others[:row], ids, others[row:]], 0)
+        out.append((alone - engine.forward(batch)[row:row + 1]).abs().max().item())
+    return out
+
+
+def incremental_spread(engine: Any, steps: int = 40) -> float:
+    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same
+    tokens; the probe is long enough to wrap the sliding window and close compression windows."""
+    ids = probe_ids(engine, repeat=2)
+    gen = engine.generate(ids, steps)
+    full = engine.forward(torch.cat([ids, gen.tokens], 1)[:, :-1])[:, ids.shape[1] - 1:]
+    return (gen.logits.float() - full.float()).abs().max().item()
