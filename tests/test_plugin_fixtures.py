@@ -82,8 +82,24 @@ def test_one_flipped_byte_stops_the_run_with_a_checksum_message(pytester, store)
     r.stdout.fnmatch_lines([f"*golden file {f}: sha256 {sha256_file(f)} does not match manifest.json's {want}*"])
 
 
-def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, store):
-    r = run(pytester, ENGINE, "--cdna2-model=b", "--cdna2-goldens=goldens", "--cdna2-regen-goldens")
+@pytest.fixture
+def real_store(pytester):
+    """Two real official-layout checkpoints (a, b) and goldens of a: regeneration runs the bundled float64
+    reference, whatever engine is under test, so it needs a checkpoint that engine reads."""
+    from tiny_configs import make_checkpoint, make_config
+
+    cfg = make_config("csa-only", vocab_size=256)
+    a = make_checkpoint(pytester.path / "a", cfg, seed=1)
+    make_checkpoint(pytester.path / "b", cfg, seed=2)
+    build_goldens(a, pytester.path / "goldens", [b"hello", b"def f("], 4, progress=False)
+    pytester.makepyfile(TOKEN_TEST)
+    return pytester.path / "goldens"
+
+
+def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, real_store):
+    from cdna2_engine.checkpoint import checkpoint_sha256
+
+    r = run(pytester, "--cdna2-model=b", "--cdna2-goldens=goldens", "--cdna2-regen-goldens")
     assert r.ret == pytest.ExitCode.TESTS_FAILED
     r.assert_outcomes(errors=2)
     r.stdout.fnmatch_lines([
@@ -91,15 +107,23 @@ def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, sto
         "rerun without --cdna2-regen-goldens",
         "*goldens were rewritten at */goldens: the run fails; rerun without --cdna2-regen-goldens",
     ])
-    manifest = json.loads((store / "manifest.json").read_text())
-    assert manifest["model_sha256"] == make_model(str(pytester.path / "b")).checkpoint_sha256()
+    manifest = json.loads((real_store / "manifest.json").read_text())
+    assert manifest["model_sha256"] == checkpoint_sha256(pytester.path / "b")
+    assert manifest["dtype"] == "float64" and manifest["backend"] == "reference"
     assert [bytes(p["tokens"]) for p in manifest["prompts"]] == [b"hello", b"def f("]  # prompts kept
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".goldens")) == []
-    run(pytester, ENGINE, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
+    run(pytester, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
 
 
-def test_regen_into_a_new_folder_uses_the_default_prompts(pytester, store):
-    run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=fresh", "--cdna2-regen-goldens")
+def test_regen_uses_the_reference_not_the_engine_under_test(pytester, store):
+    """A user engine's model folder that the bundled reference cannot read: regen refuses, one line."""
+    r = run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=goldens", "--cdna2-regen-goldens")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*cdna2: regenerating goldens (bundled float64 reference) failed: *"])
+
+
+def test_regen_into_a_new_folder_uses_the_default_prompts(pytester, real_store):
+    run(pytester, "--cdna2-model=a", "--cdna2-goldens=fresh", "--cdna2-regen-goldens")
     fresh = GoldenStore.open(pytester.path / "fresh")
     assert (fresh.steps, len(fresh.prompts)) == (32, len(DEFAULT_PROMPTS))
 
