@@ -197,7 +197,12 @@ class GoldenStore:
                 f"{_BUILD_HINT}"
             )
         have = manifest["model_sha256"]
-        if expected_model_sha256 is not None and have is not None and have != expected_model_sha256:
+        if expected_model_sha256 is not None and have is None:
+            raise GoldenError(
+                f"{mpath}: model_sha256 is null, so these goldens cannot be tied to the model under test "
+                f"(sha256 {expected_model_sha256}); {_BUILD_HINT}"
+            )
+        if expected_model_sha256 is not None and have != expected_model_sha256:
             raise GoldenError(
                 f"goldens at {path} are for model sha256 {have}, but the model under test has sha256 "
                 f"{expected_model_sha256}: pass --cdna2-goldens for this model, or {_BUILD_HINT}"

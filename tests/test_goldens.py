@@ -141,3 +141,15 @@ def test_prompts_encoding_and_files(tmp_path):
         load_prompts(tmp_path / "bad.json")
     with pytest.raises(GoldenError, match="prompts file .*missing.txt"):
         load_prompts(tmp_path / "missing.txt")
+
+
+def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
+    """A manifest whose model_sha256 is null cannot be tied to the model under test: one line, the fix."""
+    with GoldenWriter(tmp_path / "g") as w:
+        w.write("teacher.safetensors", {"p00.logits": torch.zeros(2, 3)})
+        w.manifest.update(model_sha256=None, prompts=[])
+    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["model_sha256"] is None
+    GoldenStore.open(tmp_path / "g")  # nothing to check against: fine
+    with pytest.raises(GoldenError, match="model_sha256 is null") as e:
+        GoldenStore.open(tmp_path / "g", expected_model_sha256="ab" * 32)
+    assert "\n" not in str(e.value)
