@@ -1,0 +1,41 @@
+"""The router's selection for every scoring function, recomputed by hand from the tapped MoE input: the
+scores (sqrtsoftplus, sigmoid, softmax; transformers 5.23 has no softmax, so this is its only check), the
+bias used for selection only, ties to the lower expert id, and the hash layers' tid2eid lookup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cdna2_engine
+
+from tiny_configs import make_checkpoint, make_config
+
+SCORES = {
+    "sqrtsoftplus": lambda z: torch.nn.functional.softplus(z).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda z: torch.softmax(z, -1),
+}
+
+
+@pytest.mark.parametrize("scoring", sorted(SCORES))
+def test_router_selection_matches_the_formula(tmp_path, scoring):
+    cfg = make_config("csa-only", scoring_func=scoring, num_hash_layers=1)
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=6), dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    tr = model.trace(ids, taps=["0.ffn_in", "1.ffn_in"])
+    assert (0, "router") not in tr.selections  # layer 0 is a hash layer: nothing to record
+    # layer 1: top-k of score + bias over the normed MoE input
+    x = tr.taps["1.ffn_in"].double()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    x = x * model.w["layers.1.ffn_norm.weight"].double()
+    logits = x @ model.w["layers.1.ffn.gate.weight"].data.double().T
+    biased = SCORES[scoring](logits) + model.w["layers.1.ffn.gate.bias"].double()
+    want = [sorted(range(cfg.n_routed_experts), key=lambda e, r=row: (-r[e].item(), e))[: cfg.num_experts_per_tok]
+            for row in biased.reshape(-1, cfg.n_routed_experts)]
+    got = tr.selections[(1, "router")].indices.reshape(-1, cfg.num_experts_per_tok).tolist()
+    assert got == want
+    # the hash layer routes by token id: forcing its table's choice changes nothing
+    table = model.w["layers.0.ffn.gate.tid2eid"].long()
+    same = model.forward(ids, selections={(0, "router"): table[ids]})
+    assert torch.equal(same, tr.logits)
