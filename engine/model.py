@@ -298,6 +298,7 @@ class Model:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, selections: dict | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] of a full prefill (float32; float64 when the model runs in float64)."""
+        self._check_ids(input_ids)
         return self.step(input_ids, self.new_cache(), _Ctx(selections, False, ()))
 
     __call__ = forward
@@ -310,6 +311,7 @@ class Model:
         With `selections` forced, the recorded selections are the engine's own picks given that upstream
         (so a flip there is this layer's rounding, not a consequence of an earlier flip); the forced ones
         are what the forward uses."""
+        self._check_ids(input_ids)
         self._check_taps(taps)
         ctx = _Ctx(selections, True, tuple(taps))
         logits = self.step(input_ids, self.new_cache(), ctx)
@@ -319,6 +321,7 @@ class Model:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  taps: tuple[str, ...] | list[str] = ()) -> Generation:
         """Greedy decode: a prefill, then one incremental step per new token (argmax ties -> lower id)."""
+        self._check_ids(input_ids)
         self._check_taps(taps)
         cache, toks, logits, tapped = self.new_cache(), [], [], {t: [] for t in taps}
         ids = input_ids
@@ -337,6 +340,13 @@ class Model:
             {t: torch.stack(v, 1) for t, v in tapped.items()},
         )
 
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        """Once per public call, not per decode step (the range check syncs with a GPU)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"input_ids out of range 0..{self.cfg.vocab_size - 1}")
+
     def _check_taps(self, taps) -> None:
         valid = set(tap_names(self.cfg.num_hidden_layers))
         bad = sorted(set(taps) - valid)
@@ -348,10 +358,6 @@ class Model:
     def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None) -> torch.Tensor:
         """Run one chunk through the model, advancing `cache`; logits [B, S, vocab]."""
         ctx = ctx or _Ctx(None, False, ())
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.cfg.vocab_size):
-            raise ValueError(f"input_ids out of range 0..{self.cfg.vocab_size - 1}")
         cfg, w, ops = self.cfg, self.w, self.ops
         ids = input_ids.to(self.device)
         B, S = ids.shape

@@ -39,3 +39,15 @@ def test_router_selection_matches_the_formula(tmp_path, scoring):
     table = model.w["layers.0.ffn.gate.tid2eid"].long()
     same = model.forward(ids, selections={(0, "router"): table[ids]})
     assert torch.equal(same, tr.logits)
+
+
+def test_bad_input_ids_and_taps_are_one_line_errors(tmp_path):
+    cfg = make_config("csa-only")
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=2), dtype=torch.float64)
+    for bad, match in [(torch.tensor([[1, cfg.vocab_size]]), "out of range 0..96"),
+                       (torch.tensor([[-1, 2]]), "out of range"), (torch.tensor([1, 2]), r"must be \[batch, tokens\]")]:
+        for call in (model.forward, model.trace, lambda ids: model.generate(ids, 2)):
+            with pytest.raises(ValueError, match=match):
+                call(bad)
+    with pytest.raises(ValueError, match=r"unknown tap\(s\) \['9.attn'\]"):
+        model.trace(torch.tensor([[1, 2]]), taps=["9.attn"])
