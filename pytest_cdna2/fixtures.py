@@ -108,14 +108,17 @@ def regenerate_goldens(settings: Settings) -> GoldenStore:
     prompts: list[bytes] = list(DEFAULT_PROMPTS)
     steps: int | list[int] = 32
     tap_prompts = None
-    try:  # unverified on purpose: we only reuse its prompts
-        old = json.loads((settings.goldens / MANIFEST).read_text(encoding="utf-8"))
-        prompts = [bytes(p["tokens"]) for p in old["prompts"]] or prompts
-        steps = old.get("steps", steps)
-        steps = [int(n) for n in steps] if isinstance(steps, list) else int(steps)
-        tap_prompts = old.get("tap_prompts")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    manifest = settings.goldens / MANIFEST
+    if manifest.exists():  # unverified on purpose: only its prompts and steps are reused
+        try:
+            old = json.loads(manifest.read_text(encoding="utf-8"))
+            prompts = [bytes(p["tokens"]) for p in old["prompts"]] or prompts
+            steps = old.get("steps", steps)
+            steps = [int(n) for n in steps] if isinstance(steps, list) else int(steps)
+            tap_prompts = old.get("tap_prompts")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise GoldenError(f"{manifest}: cannot reuse its prompts ({type(e).__name__}: {e}); remove the "
+                              "folder to rebuild with the default prompts") from None
     import cdna2_engine  # the goldens are the bundled float64 reference's, whatever engine is under test
 
     model = cdna2_engine.load_model(settings.model, device="cpu", backend="reference", dtype=torch.float64)
