@@ -1,0 +1,165 @@
+"""Decode speed of a "flash slice": V4-Flash dimensions, 4 layers of mixed types (hash MoE, CSA, HCA,
+sliding), random weights in the official packed format, against transformers' DeepseekV4ForCausalLM in
+bf16 eager on the same shapes, and against the byte floor (the bytes one decode step must read: every
+attention/compressor/indexer weight, the shared expert, the 6 routed experts a token picks, the head).
+
+    python bench/bench_slice.py            # on a GPU; writes $OUT/slice.json when OUT is set
+    python bench/bench_slice.py --small    # CPU smoke test at tiny sizes (numbers mean nothing)
+
+Timing: CUDA events around each decode step after a 64-token prefill, median over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from cdna2_engine.checkpoint import tensor_specs
+from cdna2_engine.config import Config
+from cdna2_engine.model import Model
+from cdna2_engine.ops import QWeight, get_ops
+
+FLASH = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+             qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
+             n_routed_experts=256, num_experts_per_tok=6, compress_ratios=[0, 4, 128, 4], num_hash_layers=1,
+             sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+             rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                           "beta_fast": 32, "beta_slow": 1})
+SMALL = dict(FLASH, vocab_size=300, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+             q_lora_rank=64, o_groups=2, o_lora_rank=32, moe_intermediate_size=64, n_routed_experts=16,
+             index_n_heads=16, index_head_dim=32, index_topk=8, sliding_window=16, hc_mult=2,
+             rope_scaling=dict(FLASH["rope_scaling"], original_max_position_embeddings=64))
+
+
+def random_packed(cfg: Config, device: torch.device, seed: int = 0) -> tuple[dict, int, int]:
+    """Official-format random weights made on the device; returns (weights, total bytes, floor bytes)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w, total, floor = {}, 0, 0
+
+    def codes(shape):
+        return torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8)
+
+    for sp in tensor_specs(cfg):
+        if sp.kind == "fp8":
+            n, k = sp.shape
+            c = codes((n, k))
+            c[(c & 0x7F) == 0x7F] = 0x38  # no NaN codes
+            s = torch.full(((n + 127) // 128, (k + 127) // 128), 127 - 9, dtype=torch.uint8, device=device)
+            q = QWeight(c.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8")
+        elif sp.kind == "mxfp4":
+            n, k = sp.shape
+            s = torch.full((n, k // 32), 127 - 4, dtype=torch.uint8, device=device)
+            q = QWeight(codes((n, k // 2)).view(torch.int8), s.view(torch.float8_e8m0fnu), "mxfp4")
+        elif sp.kind == "int32":
+            q = torch.randint(0, cfg.n_routed_experts, sp.shape, generator=g, device=device, dtype=torch.int32)
+        else:
+            dt = torch.bfloat16 if sp.kind == "bf16" else torch.float32
+            t = torch.randn(sp.shape, generator=g, device=device, dtype=torch.float32)
+            t = (1 + 0.1 * t) if sp.name.endswith("norm.weight") else t / (sp.shape[-1] ** 0.5)
+            t = t.to(dt)
+            q = QWeight(t, None, "dense") if sp.linear else t
+        nb = q.nbytes() if isinstance(q, QWeight) else q.numel() * q.element_size()
+        total += nb
+        routed = ".experts." in sp.name and ".shared_experts." not in sp.name
+        if sp.name == "embed.weight":
+            floor += cfg.hidden_size * 2  # one row
+        elif routed:
+            floor += nb * cfg.num_experts_per_tok // cfg.n_routed_experts  # 6 of 256, on average
+        elif "gate.tid2eid" not in sp.name:
+            floor += nb
+        w[sp.name] = q
+    return w, total, floor
+
+
+def time_steps(step, first, n: int, device: torch.device) -> list[float]:
+    """Milliseconds of `n` decode steps (events on a GPU, wall clock on the CPU)."""
+    out, tok = [], first
+    for _ in range(n):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            tok = step(tok)
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            tok = step(tok)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--no-hf", action="store_true")
+    a = ap.parse_args()
+    device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
+    cfg = Config(**(SMALL if a.small else FLASH))
+    weights, total, floor = random_packed(cfg, device)
+    backend = "triton" if device.type == "cuda" else "reference"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Model(cfg, weights, device=device, dtype=dtype, ops=get_ops(backend))
+    ids = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
+    cache = model.new_cache()
+    first = model.step(ids, cache)[:, -1:].argmax(-1)
+
+    def ours(tok):
+        return model.step(tok, cache)[:, -1:].argmax(-1)
+
+    ours_ms = time_steps(ours, first, a.steps, device)
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "date": time.strftime("%F"),
+           "backend": backend, "dtype": str(dtype), "layers": cfg.num_hidden_layers,
+           "compress_ratios": cfg.compress_ratios, "weight_bytes": total, "floor_bytes_per_token": floor,
+           "slice_decode_ms_per_token": statistics.median(ours_ms), "steps_ms": ours_ms}
+    if device.type == "cuda":
+        src = torch.empty(1 << 29, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        ms = time_steps(lambda _: dst.copy_(src), None, 10, device)
+        copy_tbps = 2 * src.numel() * 4 / (statistics.median(ms) * 1e-3) / 1e12
+        res.update(copy_TBps=copy_tbps, slice_floor_ms_per_token=floor / (copy_tbps * 1e12) * 1e3)
+        del src, dst
+    if not a.no_hf:
+        res["hf_slice_decode_ms_per_token"] = hf_decode_ms(cfg, device, ids, a.steps)
+        res["speedup_vs_hf"] = res["hf_slice_decode_ms_per_token"] / res["slice_decode_ms_per_token"]
+    print(json.dumps(res, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "slice.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def hf_decode_ms(cfg: Config, device: torch.device, ids: torch.Tensor, steps: int) -> float:
+    """transformers' DeepseekV4ForCausalLM, bf16 (float32 on the CPU), eager, random init, same shapes."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    hc = DeepseekV4Config(**(cfg.to_dict() | {"quantization_config": None}))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in bf16 directly: a float32 build of 4 flash layers is ~100 GB
+    try:
+        with torch.device(device):
+            hf = DeepseekV4ForCausalLM(hc).eval()
+    finally:
+        torch.set_default_dtype(default)
+    hf.set_experts_implementation("eager")
+    pkv = DynamicCache(config=hc)
+    first = hf(input_ids=ids, past_key_values=pkv, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def step(tok):
+        return hf(input_ids=tok, past_key_values=pkv, use_cache=True).logits[:, -1:].argmax(-1)
+
+    ms = time_steps(step, first, steps, device)
+    return statistics.median(ms)
+
+
+if __name__ == "__main__":
+    main()
