@@ -140,7 +140,8 @@ class Attention:
         keys = kv if lc.window is None else torch.cat([lc.window, kv], 1)
         win = cfg.sliding_window
         lc.window = keys[:, keys.shape[1] - (win - 1):] if win > 1 else keys[:, :0]
-        kpos = torch.arange(int(pos[0]) + S - keys.shape[1], int(pos[0]) + S, device=x.device)
+        end = ctx.start + S  # host ints: no device sync on the decode path
+        kpos = torch.arange(end - keys.shape[1], end, device=x.device)
         mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - win)  # [S, L]
         mask = mask.expand(B, S, -1)
         if self.ratio:
@@ -226,6 +227,7 @@ class _Ctx:
 
     def __init__(self, forced: dict | None, record: bool, taps: tuple[str, ...]):
         self._forced, self._record = forced or {}, record
+        self.start = 0  # absolute position of the chunk's first token (set by Model.step)
         self.selections: dict[tuple[int, str], Selection] = {}
         self.taps_wanted, self.taps = set(taps), {}
 
@@ -362,6 +364,7 @@ class Model:
         ids = input_ids.to(self.device)
         B, S = ids.shape
         pos = torch.arange(cache.pos, cache.pos + S, device=self.device)
+        ctx.start = cache.pos
         x = w["embed.weight"][ids].to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
         for i in range(cfg.num_hidden_layers):
