@@ -139,7 +139,7 @@ class Attention:
 
         keys = kv if lc.window is None else torch.cat([lc.window, kv], 1)
         win = cfg.sliding_window
-        lc.window = keys[:, keys.shape[1] - (win - 1):] if win > 1 else keys[:, :0]
+        lc.window = keys[:, max(0, keys.shape[1] - (win - 1)):]  # the newest win - 1 rows (none for win 1)
         end = ctx.start + S  # host ints: no device sync on the decode path
         kpos = torch.arange(end - keys.shape[1], end, device=x.device)
         mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - win)  # [S, L]
