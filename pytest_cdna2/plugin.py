@@ -60,8 +60,9 @@ _OPTIONS = [
     ("backend", "string", "engine backend: reference or triton (default: reference)"),
     ("dtype", "string", "activation dtype: float32, bfloat16 or float64 (default: float32 on the CPU, bfloat16 "
      "on a GPU); picks the matching derived tolerance profile"),
-    ("tolerance", "string", "tolerance profile TOML; its keys override the bundled default profile"),
-    ("engine", "string", "bundled, or module:factory for your own engine: factory(path, device=, backend=)"),
+    ("tolerance", "string", "tolerance profile TOML; its keys override the bundled profile for the dtype"),
+    ("engine", "string", "bundled, or module:factory for your own engine: factory(path, device=, backend=[, "
+     "dtype=])"),
     ("regen-goldens", "bool", "rebuild the goldens with the float64 reference; fails the run that does it"),
     ("perf-on-cpu", "bool", "let perf tests run on the CPU (to exercise the gating; numbers mean nothing)"),
 ]
