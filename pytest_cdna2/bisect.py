@@ -64,6 +64,16 @@ def first_drift(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     return None
 
 
+def taps_for(store, prompt: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """(prompt, taps): this prompt's taps, or the first prompt's that has them (goldens may record taps for
+    a few prompts only, to stay small); ("", {}) when none has."""
+    for name in [prompt] + [p.name for p in store.prompts if p.name != prompt]:
+        taps = store.taps(name)
+        if taps:
+            return name, taps
+    return "", {}
+
+
 def locate(engine, input_ids: torch.Tensor, golden_taps: dict[str, torch.Tensor], limit: float,
            selections: dict | None = None) -> Drift | None:
     """Rerun `engine` (Model API with `trace`) on one prompt and name its first drifting tap."""
@@ -113,10 +123,10 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         lines.append(f"{name}: {'ok' if verdict.ok else 'FAIL ' + verdict.message}")
         if verdict.ok:
             continue
-        tap_prompt = next((n for n in [name] + [p.name for p in store.prompts] if store.taps(n)), None)
-        if tap_prompt:
+        tap_prompt, taps = taps_for(store, name)
+        if taps:
             ids = store.input_ids(tap_prompt).unsqueeze(0).to(model.device)
-            drift = locate(model, ids, store.taps(tap_prompt), lim.tap_rtol_fro,
+            drift = locate(model, ids, taps, lim.tap_rtol_fro,
                            selections=forced_selections(store, tap_prompt, model.device))
             lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt})")
         if backend == "triton" and engine == "bundled":

@@ -24,7 +24,6 @@ from pytest_cdna2.tolerance import Profile
 __all__ = [
     "Settings",
     "SETTINGS",
-    "load_engine",
     "regenerate_goldens",
     "cdna2_settings",
     "cdna2_device",
@@ -96,11 +95,6 @@ def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, 
         return {}
     takes = "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
     return {"dtype": settings.dtype} if takes else {}
-
-
-def load_engine(spec: str, path: str | Path, device: str, backend: str, **kwargs: Any) -> Any:
-    """Load a model: ``factory(path: str, device=str, backend=str, **kwargs)`` -> a Model API object."""
-    return resolve_factory(spec)(str(path), device=device, backend=backend, **kwargs)
 
 
 def regenerate_goldens(settings: Settings) -> GoldenStore:

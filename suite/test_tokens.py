@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_cdna2.bisect import kernel_culprit, locate
+from pytest_cdna2.bisect import kernel_culprit, locate, taps_for
 from pytest_cdna2.compare import assert_logits_close
 from pytest_cdna2.judge import forced_selections, judge_prompt
 
 pytestmark = pytest.mark.token
-
-
-def taps_for(golden, prompt: str) -> tuple[str, dict]:
-    """(prompt, taps): this prompt's taps, or the first prompt's that has them (goldens may record taps
-    for a few prompts only, to stay small); ("", {}) when none has taps."""
-    for name in [prompt] + [p.name for p in golden.prompts if p.name != prompt]:
-        taps = golden.taps(name)
-        if taps:
-            return name, taps
-    return "", {}
 
 
 def _why(engine, golden, prompt, limit) -> str:
