@@ -6,7 +6,10 @@ attention/compressor/indexer weight, the shared expert, the 6 routed experts a t
     python bench/bench_slice.py            # on a GPU; writes $OUT/slice.json when OUT is set
     python bench/bench_slice.py --small    # CPU smoke test at tiny sizes (numbers mean nothing)
 
-Timing: CUDA events around each decode step after a 64-token prefill, median over the steps.
+Timing: CUDA events around each decode step after a 64-token prefill, median over the steps; the engine's
+decode step eager and as a CUDA graph (`DecodeGraph`, checked against the eager step first: the graph
+run is teacher-forced with the eager tokens and must reproduce its logits), the MoE block alone
+(`moe_decode_frac`), and transformers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 from cdna2_engine.checkpoint import tensor_specs
 from cdna2_engine.config import Config
-from cdna2_engine.model import Model
+from cdna2_engine.model import DecodeGraph, Model
 from cdna2_engine.ops import QWeight, get_ops
 
 FLASH = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
@@ -105,28 +108,50 @@ def main() -> None:
     device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
     cfg = Config(**(SMALL if a.small else FLASH))
     weights, total, floor = random_packed(cfg, device)
-    backend = "triton" if device.type == "cuda" else "reference"
+    backend = "triton"  # on the CPU (--small): Triton's interpreter
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Model(cfg, weights, device=device, dtype=dtype, ops=get_ops(backend))
     ids = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
     cache = model.new_cache()
     first = model.step(ids, cache)[:, -1:].argmax(-1)
+    cap = a.prompt + a.steps + 2
+    eager_sc, graph_sc = model.static_cache(cache, cap), model.static_cache(cache, cap)  # two equal states
+    eager_logits, graph_logits = [], []
 
-    def ours(tok):
-        return model.step(tok, cache)[:, -1:].argmax(-1)
+    def eager(tok):
+        eager_logits.append(model.decode(tok, eager_sc))
+        return eager_logits[-1].argmax(-1)
 
-    ours_ms = time_steps(ours, first, a.steps, device)
+    eager_ms = time_steps(eager, first, a.steps, device)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "date": time.strftime("%F"),
            "backend": backend, "dtype": str(dtype), "layers": cfg.num_hidden_layers,
            "compress_ratios": cfg.compress_ratios, "weight_bytes": total, "floor_bytes_per_token": floor,
-           "slice_decode_ms_per_token": statistics.median(ours_ms), "steps_ms": ours_ms}
+           "slice_eager_decode_ms_per_token": statistics.median(eager_ms), "eager_steps_ms": eager_ms}
     if device.type == "cuda":
+        graph = DecodeGraph(model, graph_sc)
+        tokens = iter([first] + [lg.argmax(-1) for lg in eager_logits])  # teacher-forced: the eager tokens
+
+        def graphed(_):
+            graph_logits.append(graph(next(tokens)))
+            return None
+
+        graph_ms = time_steps(graphed, None, a.steps, device)[1:]  # the first call is warm-up + capture
+        ref, got = torch.cat(eager_logits, 1).float(), torch.cat(graph_logits, 1).float()
+        worst = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        if worst > 1e-6:  # the same kernels on the same inputs: replay must reproduce eager
+            raise SystemExit(f"graph decode differs from eager decode: worst rel {worst:.2e}; no timing reported")
         src = torch.empty(1 << 29, dtype=torch.float32, device=device)
         dst = torch.empty_like(src)
         ms = time_steps(lambda _: dst.copy_(src), None, 10, device)
         copy_tbps = 2 * src.numel() * 4 / (statistics.median(ms) * 1e-3) / 1e12
-        res.update(copy_TBps=copy_tbps, slice_floor_ms_per_token=floor / (copy_tbps * 1e12) * 1e3)
         del src, dst
+        res.update(graph_vs_eager_rel=worst, slice_decode_ms_per_token=statistics.median(graph_ms),
+                   graph_steps_ms=graph_ms, copy_TBps=copy_tbps,
+                   slice_floor_ms_per_token=floor / (copy_tbps * 1e12) * 1e3)
+        res.update(moe_decode(model, device, copy_tbps))
+    else:
+        res["slice_decode_ms_per_token"] = res["slice_eager_decode_ms_per_token"]
+    res.update(vs_reference(cfg, weights, ids, model, first, graph_logits or eager_logits, eager_logits))
     if not a.no_hf:
         res["hf_slice_decode_ms_per_token"] = hf_decode_ms(cfg, device, ids, a.steps)
         res["speedup_vs_hf"] = res["hf_slice_decode_ms_per_token"] / res["slice_decode_ms_per_token"]
@@ -134,6 +159,69 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "slice.json"), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position, nats."""
+    lp, lq = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, first: torch.Tensor,
+                 graph_logits: list, eager_logits: list) -> dict:
+    """The triton backend (bf16) against the reference backend (float32) at V4-Flash shapes, same weights:
+    the 64-token prefill, and the graph's decode steps teacher-forced into a float32 reference decode.
+    Gate: the bf16 profile's token KL (pytest_cdna2/tolerance_bf16.toml, derived on the tiny model);
+    timings are not reported when it fails."""
+    ref = Model(cfg, weights, device=ids.device, dtype=torch.float32, ops=get_ops("reference"))
+    cache = ref.new_cache()
+    pre_ref, pre = ref.step(ids, cache), model.forward(ids)
+    sc = ref.static_cache(cache, ids.shape[1] + len(graph_logits) + 1)
+    toks = [first] + [lg.argmax(-1) for lg in eager_logits]  # the graph's inputs
+    dec_ref = torch.cat([ref.decode(t, sc) for t in toks[: len(graph_logits)]], 1)
+    dec = torch.cat(graph_logits, 1)
+    out = {}
+    for name, got, want in (("prefill", pre, pre_ref), ("decode", dec, dec_ref)):
+        k = kl(want, got)
+        out[f"vs_reference_{name}_kl_max"] = k.max().item()
+        out[f"vs_reference_{name}_top1"] = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+        out[f"vs_reference_{name}_rel_fro"] = ((got.float() - want).norm() / want.norm()).item()
+    del ref
+    bound = 2e-2  # tolerance_bf16.toml [token] kl_max
+    if max(out["vs_reference_prefill_kl_max"], out["vs_reference_decode_kl_max"]) > bound:
+        raise SystemExit(f"triton bf16 vs reference float32 at V4-Flash shapes over KL {bound}: {out}")
+    return out
+
+
+def moe_decode(model: Model, device: torch.device, copy_tbps: float, inputs: int = 8, reps: int = 20) -> dict:
+    """MoE block decode at batch 1 (router, 6 routed MXFP4 experts, shared FP8 expert), every layer on
+    `inputs` random activations (distinct routings; the weights read per replay far exceed the 60 MB L2),
+    captured in one CUDA graph; fraction of the copy bandwidth over the bytes the calls must read."""
+    cfg = model.cfg
+    D = cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(1)
+    xs = [torch.randn(1, 1, D, generator=g, device=device).to(model.dtype) for _ in range(inputs)]
+    tok = [torch.randint(0, cfg.vocab_size, (1, 1), generator=g, device=device) for _ in range(inputs)]
+    layers = range(cfg.num_hidden_layers)
+    for i in layers:
+        model.moe[i](xs[0], tok[0])  # compile every kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, t in zip(xs, tok, strict=True):
+            for i in layers:
+                model.moe[i](x, t)
+    nbytes = 0
+    for i in layers:
+        p = f"layers.{i}.ffn."
+        nbytes += sum(model.w[p + f"shared_experts.{n}.weight"].nbytes() for n in ("w1", "w2", "w3"))
+        nbytes += model.w[p + "gate.weight"].nbytes() if not cfg.is_hash_layer(i) else 0
+        per_expert = sum(q.nbytes() for q in model.experts[i].values()) // cfg.n_routed_experts
+        nbytes += cfg.num_experts_per_tok * per_expert + 2 * D  # 6 distinct experts (distinct ids), x
+    ms = time_steps(lambda _: graph.replay(), None, reps, device)
+    us = statistics.median(ms) * 1e3 / inputs
+    return {"moe_decode_us_per_token": us, "moe_decode_bytes_per_token": nbytes,
+            "moe_decode_frac": nbytes / (us * 1e-6) / (copy_tbps * 1e12)}
 
 
 def hf_decode_ms(cfg: Config, device: torch.device, ids: torch.Tensor, steps: int) -> float:

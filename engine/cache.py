@@ -38,7 +38,39 @@ class LayerCache:
 class Cache:
     layers: list[LayerCache]
     pos: int = 0  # tokens consumed so far (the next token's position)
+    batch: int = 0  # rows, set by the first step
 
     @classmethod
     def empty(cls, num_layers: int) -> Cache:
         return cls([LayerCache() for _ in range(num_layers)])
+
+
+@dataclass
+class StaticCompressor:
+    """A compressor's state in fixed shapes for the graph-captured decode step: a ring of the last one (HCA)
+    or two (CSA: the previous window's Ca half is read by the next entry) windows of projected rows, with
+    the gate's position bias already added, and every entry slot preallocated (the entry of the window in
+    progress is rewritten each step and stays invisible until its window closes)."""
+
+    kv: torch.Tensor  # [B, ring, c], ring = ratio (HCA) or 2 * ratio (CSA); slot = position % ring
+    gate: torch.Tensor  # [B, ring, c], -inf where nothing was written yet
+    entries: torch.Tensor  # [B, capacity // ratio + 1, d]
+
+
+@dataclass
+class StaticLayer:
+    window: torch.Tensor  # [B, sliding_window, head_dim]: a ring, slot = position % sliding_window
+    window_pos: torch.Tensor  # [sliding_window] int64: the position held in each slot (-2**40: none)
+    compressor: StaticCompressor | None = None
+    indexer: StaticCompressor | None = None
+
+
+@dataclass
+class StaticCache:
+    """Decode state with every shape fixed and the position on the device, so one decode step can be
+    captured in a CUDA graph (`cdna2_engine.model.DecodeGraph`) and replayed with no host involvement.
+    Built from a `Cache` after the prefill (`Model.static_cache`); `capacity` bounds the total tokens."""
+
+    layers: list[StaticLayer]
+    pos: torch.Tensor  # [1] int64 on the device: the next token's position
+    capacity: int

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import Cache, CompressorState, LayerCache
+from .cache import Cache, CompressorState, LayerCache, StaticCache, StaticCompressor, StaticLayer
 from .config import Config, rope_inv_freq
 from .ops import QWeight
 from .ops.reference import swiglu
@@ -111,6 +111,50 @@ class Compressor:
             st.entries = x.new_zeros(x.shape[0], 0, self.dim)
         return st.entries
 
+    def decode(self, x: torch.Tensor, st: StaticCompressor, pos: torch.Tensor) -> torch.Tensor:
+        """One token at device position `pos` [1]: its row goes into the ring, then the window it belongs to
+        is pooled (closed or not) into entry slot pos // ratio. Branch-free, so a CUDA graph can hold it; an
+        unclosed window's entry is invisible (attention and indexer see slot t once (pos + 1) // ratio > t).
+        Returns every entry slot [B, slots, d]."""
+        ops, r, d = self.m.ops, self.ratio, self.dim
+        acc = _acc(x.dtype)
+        ring = st.kv.shape[1]
+        kv, gate = ops.linear(x, self.wkv).to(acc), ops.linear(x, self.wgate).to(acc)  # [B, 1, c]
+        st.kv.index_copy_(1, pos % ring, kv)
+        st.gate.index_copy_(1, pos % ring, gate + self.ape.to(acc).index_select(0, pos % r))
+        w = pos // r
+        slots = torch.arange(r, device=x.device)
+        cur = (w % (ring // r)) * r + slots
+        if self.overlap:
+            prev = ((w + 1) % 2) * r + slots
+            kv = torch.cat([st.kv[:, prev, :d], st.kv[:, cur, d:]], 1)  # [B, 2r, d], as in __call__
+            gate = torch.cat([st.gate[:, prev, :d], st.gate[:, cur, d:]], 1)
+        else:
+            kv, gate = st.kv[:, cur], st.gate[:, cur]
+        pooled = (kv * torch.softmax(gate, dim=1)).sum(1, keepdim=True)  # [B, 1, d]
+        pooled = ops.rms_norm(pooled.to(x.dtype), self.norm, self.m.cfg.rms_norm_eps)
+        cos, sin = self.m.rope_c((w * r).expand(x.shape[0], 1))
+        st.entries.index_copy_(1, w, ops.rope(pooled.unsqueeze(2), cos, sin).squeeze(2))
+        return st.entries
+
+    def to_static(self, st: CompressorState, pos: int, batch: int, capacity: int,
+                  dtype: torch.dtype) -> StaticCompressor:
+        """The same state in `decode`'s fixed shapes (pending rows and CSA's previous Ca half into the ring)."""
+        r, d, dev, acc = self.ratio, self.dim, self.ape.device, _acc(dtype)
+        ring, c = (2 * r if self.overlap else r), self.wkv.shape[0]
+        kv = torch.zeros(batch, ring, c, dtype=acc, device=dev)
+        gate = torch.full((batch, ring, c), float("-inf"), dtype=acc, device=dev)
+        n, start = pos % r, pos - pos % r
+        if n:
+            slots = (start + torch.arange(n, device=dev)) % ring
+            kv[:, slots], gate[:, slots] = st.pending_kv, st.pending_gate + self.ape[:n].to(acc)
+        if self.overlap and st.prev_kv is not None:
+            slots = (start - r + torch.arange(r, device=dev)) % ring
+            kv[:, slots, :d], gate[:, slots, :d] = st.prev_kv, st.prev_gate
+        entries = torch.zeros(batch, capacity // r + 1, d, dtype=dtype, device=dev)
+        entries[:, : st.count()] = st.entries if st.count() else entries[:, :0]
+        return StaticCompressor(kv, gate, entries)
+
 
 class Attention:
     """Low-rank q with an unweighted per-head norm, one shared K=V head, partial interleaved RoPE,
@@ -126,7 +170,8 @@ class Attention:
         self.indexer = (Compressor(w, p + "indexer.compressor.", 4, cfg.index_head_dim, model)
                         if self.ratio == 4 else None)
 
-    def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+        """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd], q's low-rank qr, cos/sin."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -136,9 +181,35 @@ class Attention:
         q = ops.rope(q, cos, sin)
         kv = ops.rms_norm(ops.linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], eps)
         kv = ops.rope(kv.unsqueeze(2), cos, sin).squeeze(2)  # [B, S, hd]
+        return q, kv, qr, cos, sin
 
+    def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:
+        cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
+        B, S = q.shape[:2]
+        o = ops.attention(q, keys, w[p + "attn_sink"], mask, cfg.head_dim**-0.5)
+        o = ops.rope(o, cos, sin, inverse=True)
+        o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
+        return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
+
+    def _compressed(self, x, qr, entries, ikeys, pos, ctx) -> torch.Tensor:
+        """Mask [B, S, T] over the compressed entries: visible (window closed) and, for CSA, indexer-picked."""
+        B, S, _ = x.shape
+        T = entries.shape[1]
+        visible = torch.arange(T, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]  # [S, T]
+        cmask = visible.expand(B, S, T)
+        if ikeys is not None:
+            sel = self._select(x, qr, ikeys, pos, visible, ctx)
+            hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
+            hit.scatter_(-1, torch.where(sel >= 0, sel, T), True)
+            cmask = cmask & hit[..., :T]
+        return cmask
+
+    def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        """A chunk of S tokens at host-known positions (prefill, or decode from a growing `Cache`)."""
+        B, S, _ = x.shape
+        q, kv, qr, cos, sin = self._project(x, pos)
         keys = kv if lc.window is None else torch.cat([lc.window, kv], 1)
-        win = cfg.sliding_window
+        win = self.m.cfg.sliding_window
         lc.window = keys[:, max(0, keys.shape[1] - (win - 1)):]  # the newest win - 1 rows (none for win 1)
         end = ctx.start + S  # host ints: no device sync on the decode path
         kpos = torch.arange(end - keys.shape[1], end, device=x.device)
@@ -146,25 +217,47 @@ class Attention:
         mask = mask.expand(B, S, -1)
         if self.ratio:
             entries = self.compressor(x, lc.compressor)  # [B, T, hd]
-            T = entries.shape[1]
-            visible = torch.arange(T, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]  # [S, T]
-            cmask = visible.expand(B, S, T)
-            if self.indexer is not None:
-                sel = self._select(x, qr, lc, pos, visible, ctx)
-                hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
-                hit.scatter_(-1, torch.where(sel >= 0, sel, T), True)
-                cmask = cmask & hit[..., :T]
+            ikeys = self.indexer(x, lc.indexer) if self.indexer is not None else None
+            cmask = self._compressed(x, qr, entries, ikeys, pos, ctx)
             keys, mask = torch.cat([keys, entries.to(keys.dtype)], 1), torch.cat([mask, cmask], -1)
-        o = ops.attention(q, keys, w[p + "attn_sink"], mask, hd**-0.5)
-        o = ops.rope(o, cos, sin, inverse=True)
-        o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
-        return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
+        return self._output(q, keys, mask, cos, sin)
 
-    def _select(self, x, qr, lc, pos, visible, ctx: _Ctx) -> torch.Tensor:
-        """Lightning indexer: top-k compressed entries per query by sum_h w_h relu(q_h . k)."""
+    def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync."""
+        B = x.shape[0]
+        q, kv, qr, cos, sin = self._project(x, pos)
+        win = self.m.cfg.sliding_window
+        sl.window.index_copy_(1, pos % win, kv)
+        sl.window_pos.index_copy_(0, pos % win, pos)
+        kp = sl.window_pos
+        mask = ((kp <= pos) & (kp > pos - win)).expand(B, 1, win)
+        keys = sl.window
+        if self.ratio:
+            entries = self.compressor.decode(x, sl.compressor, pos)
+            ikeys = self.indexer.decode(x, sl.indexer, pos) if self.indexer is not None else None
+            cmask = self._compressed(x, qr, entries, ikeys, pos, ctx)
+            keys, mask = torch.cat([keys, entries], 1), torch.cat([mask, cmask], -1)
+        return self._output(q, keys, mask, cos, sin)
+
+    def to_static(self, lc: LayerCache, pos: int, batch: int, capacity: int, dtype: torch.dtype) -> StaticLayer:
+        cfg, dev = self.m.cfg, self.m.device
+        win = cfg.sliding_window
+        window = torch.zeros(batch, win, cfg.head_dim, dtype=dtype, device=dev)
+        window_pos = torch.full((win,), -(2**40), dtype=torch.long, device=dev)
+        n = 0 if lc.window is None else lc.window.shape[1]
+        if n:
+            held = torch.arange(pos - n, pos, device=dev)
+            window[:, held % win], window_pos[held % win] = lc.window, held
+        return StaticLayer(
+            window, window_pos,
+            self.compressor.to_static(lc.compressor, pos, batch, capacity, dtype) if self.ratio else None,
+            self.indexer.to_static(lc.indexer, pos, batch, capacity, dtype) if self.indexer is not None else None,
+        )
+
+    def _select(self, x, qr, keys, pos, visible, ctx: _Ctx) -> torch.Tensor:
+        """Lightning indexer: top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k)."""
         m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p + "indexer.", self.m.ops
         B, S, _ = x.shape
-        keys = self.indexer(x, lc.indexer)  # [B, T, Di]
         T = keys.shape[1]
         forced = ctx.forced(self.i, "indexer")
         k = min(cfg.index_topk, T)
@@ -193,8 +286,9 @@ class MoE:
         self.m, self.i, self.p, self.w = model, i, p, w
         self.hash = cfg.is_hash_layer(i)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: _Ctx | None = None) -> torch.Tensor:
         m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p, self.m.ops
+        ctx = ctx or _Ctx(None, False, ())
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
         logits = ops.linear(x2.to(_acc(x.dtype)), w[p + "gate.weight"])  # router in fp32 or fp64
@@ -321,21 +415,34 @@ class Model:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                 taps: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Greedy decode: a prefill, then one incremental step per new token (argmax ties -> lower id)."""
+                 taps: tuple[str, ...] | list[str] = (), graph: bool | None = None) -> Generation:
+        """Greedy decode (argmax ties -> lower id): a prefill, then one `decode` step per new token over a
+        `StaticCache`. `graph` (default: on for CUDA/ROCm devices with the triton backend and no taps)
+        replays the step as a CUDA graph after the first one."""
         self._check_ids(input_ids)
         self._check_taps(taps)
-        cache, toks, logits, tapped = self.new_cache(), [], [], {t: [] for t in taps}
-        ids = input_ids
-        for _ in range(max_new_tokens):
-            ctx = _Ctx(None, False, tuple(taps))
-            out = self.step(ids, cache, ctx)[:, -1]
+        if graph is None:
+            graph = self.device.type == "cuda" and self.ops.backend == "triton" and not taps
+        if graph and taps:
+            raise ValueError("generate: taps cannot be recorded inside a CUDA graph; pass graph=False")
+        B, T = input_ids.shape
+        toks, logits, tapped = [], [], {t: [] for t in taps}
+        ctx = _Ctx(None, False, tuple(taps))
+        cache, sc, replay = self.new_cache(), None, None
+        out = self.step(input_ids, cache, ctx)[:, -1] if max_new_tokens else None
+        for n in range(max_new_tokens):
             ids = out.argmax(-1, keepdim=True)
             toks.append(ids)
             logits.append(out)
             for t in taps:
                 tapped[t].append(ctx.taps[t][:, -1])
-        B = input_ids.shape[0]
+            if n + 1 == max_new_tokens:
+                break
+            if sc is None:
+                sc = self.static_cache(cache, T + max_new_tokens)
+                replay = DecodeGraph(self, sc) if graph else None
+            ctx = _Ctx(None, False, tuple(taps))
+            out = (replay(ids) if replay else self.decode(ids, sc, ctx))[:, -1]
         return Generation(
             torch.cat(toks, 1) if toks else input_ids.new_zeros(B, 0),
             torch.stack(logits, 1) if logits else torch.zeros(B, 0, self.cfg.vocab_size),
@@ -360,18 +467,45 @@ class Model:
     def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None) -> torch.Tensor:
         """Run one chunk through the model, advancing `cache`; logits [B, S, vocab]."""
         ctx = ctx or _Ctx(None, False, ())
-        cfg, w, ops = self.cfg, self.w, self.ops
         ids = input_ids.to(self.device)
+        pos = torch.arange(cache.pos, cache.pos + ids.shape[1], device=self.device)
+        ctx.start, cache.batch = cache.pos, ids.shape[0]
+        out = self._body(ids, ctx, lambda i, x: self.attn[i](x, cache.layers[i], pos, ctx))
+        cache.pos += ids.shape[1]
+        return out
+
+    def static_cache(self, cache: Cache, capacity: int) -> StaticCache:
+        """`cache` (after a prefill) in fixed shapes for `decode`, room for `capacity` tokens in all."""
+        if capacity < cache.pos:
+            raise ValueError(f"static cache capacity {capacity} is below the {cache.pos} tokens already cached")
+        if not cache.batch:
+            raise ValueError("static_cache needs a prefilled cache: run Model.step on the prompt first")
+        layers = [a.to_static(c, cache.pos, cache.batch, capacity, self.dtype)
+                  for a, c in zip(self.attn, cache.layers, strict=True)]
+        return StaticCache(layers, torch.tensor([cache.pos], device=self.device), capacity)
+
+    def decode(self, token: torch.Tensor, sc: StaticCache, ctx: _Ctx | None = None) -> torch.Tensor:
+        """One decode step over a `StaticCache`: token [B, 1] -> logits [B, 1, vocab], position read from and
+        advanced on the device, every shape fixed: the step `DecodeGraph` captures. Numerically the same
+        as `step` with one token (only the window's summation order differs). Writing past `capacity`
+        tokens corrupts the oldest compressed entry: `generate` sizes the cache."""
+        ctx = ctx or _Ctx(None, False, ())
+        pos = sc.pos
+        out = self._body(token, ctx, lambda i, x: self.attn[i].decode(x, sc.layers[i], pos, ctx))
+        sc.pos += 1
+        return out
+
+    def _body(self, ids: torch.Tensor, ctx: _Ctx, attend) -> torch.Tensor:
+        """Embedding, the layers (attention by `attend(layer, normed input)`), mHC head, final norm, head."""
+        cfg, w, ops = self.cfg, self.w, self.ops
         B, S = ids.shape
-        pos = torch.arange(cache.pos, cache.pos + S, device=self.device)
-        ctx.start = cache.pos
         x = w["embed.weight"][ids].to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
             post, comb, xin = self._hc_pre(h, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
             ctx.tap(f"{i}.attn_in", xin)
-            a = self.attn[i](ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps), cache.layers[i], pos, ctx)
+            a = attend(i, ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps))
             ctx.tap(f"{i}.attn_out", a)
             h = self._hc_post(a, h, post, comb)
             ctx.tap(f"{i}.attn", h)
@@ -381,7 +515,6 @@ class Model:
             ctx.tap(f"{i}.ffn_out", f)
             h = self._hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
-        cache.pos += S
         acc = _acc(self.dtype)
         hf = h.to(acc)
         pre = torch.sigmoid(self._hc_mix(hf, w["hc_head_fn"]) * w["hc_head_scale"].to(acc)
@@ -419,3 +552,32 @@ class Model:
         """New streams: post_k * out + sum_j comb[j, k] * h_j."""
         acc = post.dtype
         return (post.unsqueeze(-1) * out.to(acc).unsqueeze(-2) + comb.transpose(-1, -2) @ h.to(acc)).to(h.dtype)
+
+
+class DecodeGraph:
+    """`Model.decode` captured as one CUDA graph (torch.cuda graphs; ROCm has them too): `graph(token)`
+    copies the token into the captured input and replays every launch of the step with no Python.
+
+    The first call runs the step eagerly on a side stream (it JIT-compiles every Triton kernel and sizes
+    the allocator's pool; it is a real step and advances the cache), then captures the next step's work
+    without running it. Returns a fresh [B, 1, vocab] logits tensor each call."""
+
+    def __init__(self, model: Model, sc: StaticCache):
+        self.model, self.sc, self.graph = model, sc, None
+
+    @torch.no_grad()
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            self.token.copy_(token)
+            self.graph.replay()
+            return self.out.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.model.decode(token, self.sc)
+        torch.cuda.current_stream().wait_stream(side)
+        self.token = token.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.model.decode(self.token, self.sc)
+        return out

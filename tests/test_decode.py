@@ -1,5 +1,6 @@
 """Incremental decode reproduces the engine's own full prefill, across sliding-window wraps, compression
-block boundaries (ratio 4 and 128) and CSA's overlap carried between calls.
+block boundaries (ratio 4 and 128) and CSA's overlap carried between calls: both the growing `Cache`
+(`Model.step` chunks) and the fixed-shape `StaticCache` (`Model.decode`, the step a CUDA graph captures).
 
 Tolerances (the engine issue's done-when, #2 in the tracker): float64 1e-10 at every position (the two
 paths differ only in summation order); float32 1e-5 relative at >= 99.5% of positions (a near-tie top-k
@@ -31,6 +32,17 @@ def run_chunks(model, ids, sizes):
     return torch.cat(outs, 1)
 
 
+def run_static(model, ids, prompt, capacity=None):
+    """Prefill `prompt` tokens into a Cache, then one `Model.decode` per token over a StaticCache."""
+    cache = model.new_cache()
+    outs = [model.step(ids[:, :prompt], cache)]
+    sc = model.static_cache(cache, capacity or ids.shape[1])
+    for t in range(prompt, ids.shape[1]):
+        outs.append(model.decode(ids[:, t:t + 1], sc))
+    assert int(sc.pos) == ids.shape[1]
+    return torch.cat(outs, 1)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm(dim=-1) / b.double().norm(dim=-1)).flatten()
 
@@ -45,6 +57,8 @@ def test_token_by_token_decode_matches_prefill(ckpt, dtype, bound, frac):
     prompt = 37  # odd: leaves a partial CSA window and a partial HCA window pending in the cache
     inc = run_chunks(model, ids, [prompt] + [1] * (T - prompt))
     r = rel(inc, full)
+    assert (r <= bound).double().mean() >= frac, f"{(r > bound).sum()} positions over {bound}, worst {r.max():.2e}"
+    r = rel(run_static(model, ids, prompt), full)
     assert (r <= bound).double().mean() >= frac, f"{(r > bound).sum()} positions over {bound}, worst {r.max():.2e}"
 
 
@@ -80,3 +94,32 @@ def test_batch_rows_are_independent(ckpt):
     both = model.forward(ids)
     for b in range(3):
         assert rel(model.forward(ids[b:b + 1]), both[b:b + 1]).max() <= 1e-12
+
+
+@pytest.mark.parametrize("prompt", [1, 4, 16, 128, 129])  # window edges, CSA and HCA window edges
+def test_static_decode_from_any_prefill_length(ckpt, prompt):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, prompt + 12), generator=torch.Generator().manual_seed(prompt))
+    assert rel(run_static(model, ids, prompt, capacity=300), model.forward(ids)).max() <= 1e-10
+
+
+def test_static_cache_capacity_below_cached_tokens_is_refused(ckpt):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    cache = model.new_cache()
+    model.step(torch.zeros(1, 10, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="capacity 9 is below the 10 tokens"):
+        model.static_cache(cache, 9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU (run on the H200)")
+@pytest.mark.parametrize("backend", ["triton"])
+def test_cuda_graph_decode_matches_eager_decode(ckpt, backend):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float32, device="cuda", backend=backend)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(15)).cuda()
+    eager = model.generate(prompt, 40, graph=False)
+    graphed = model.generate(prompt, 40, graph=True)
+    assert torch.equal(graphed.tokens, eager.tokens)
+    assert rel(graphed.logits, eager.logits).max() <= 1e-6  # same kernels; only launch order may differ
