@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of two decode steps")
     a = ap.parse_args()
     device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
     cfg = Config(**(SMALL if a.small else FLASH))
@@ -136,6 +137,8 @@ def main() -> None:
             return None
 
         graph_ms = time_steps(graphed, None, a.steps, device)[1:]  # the first call is warm-up + capture
+        if a.profile:
+            res["profile"] = profile_decode(graph, eager_logits[-1].argmax(-1))
         ref, got = torch.cat(eager_logits, 1).float(), torch.cat(graph_logits, 1).float()
         worst = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
         if worst > 1e-6:  # the same kernels on the same inputs: replay must reproduce eager
@@ -161,6 +164,27 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
+def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dict:
+    """Kernels per decode step and the GPU time by kernel name (replayed graph), printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph(tok)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time_total)
+    rows = sorted(((sum(v) / steps, len(v) / steps, k) for k, v in by_name.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"profile: {len(kernels) / steps:.0f} kernels per step, {total:.0f} us of kernel time per step")
+    for us, n, name in rows[:30]:
+        print(f"{us:9.1f} us {n:6.0f}x  {name}")
+    return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": total,
+            "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]]}
+
+
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) per position, nats."""
     lp, lq = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
@@ -169,27 +193,38 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, first: torch.Tensor,
                  graph_logits: list, eager_logits: list) -> dict:
-    """The triton backend (bf16) against the reference backend (float32) at V4-Flash shapes, same weights:
-    the 64-token prefill, and the graph's decode steps teacher-forced into a float32 reference decode.
-    Gate: the bf16 profile's token KL (pytest_cdna2/tolerance_bf16.toml, derived on the tiny model);
-    timings are not reported when it fails."""
+    """The triton backend against the reference backend at these shapes, same weights (the kernel issue's
+    done-when): float32 activations, prefill and teacher-forced decode steps (through a CUDA graph on a
+    GPU), within 1e-5 relative per position; bf16 activations (`model`), prefill with the reference's
+    sparse selections forced (random weights leave many router/indexer near-ties, and a flip there is not a
+    kernel error: pytest_cdna2/judge.py), within the bf16 profile's token KL (tolerance_bf16.toml, 2e-2).
+    The unforced bf16 numbers are reported too. Timings are not reported when a gate fails."""
     ref = Model(cfg, weights, device=ids.device, dtype=torch.float32, ops=get_ops("reference"))
-    cache = ref.new_cache()
-    pre_ref, pre = ref.step(ids, cache), model.forward(ids)
-    sc = ref.static_cache(cache, ids.shape[1] + len(graph_logits) + 1)
-    toks = [first] + [lg.argmax(-1) for lg in eager_logits]  # the graph's inputs
-    dec_ref = torch.cat([ref.decode(t, sc) for t in toks[: len(graph_logits)]], 1)
-    dec = torch.cat(graph_logits, 1)
-    out = {}
-    for name, got, want in (("prefill", pre, pre_ref), ("decode", dec, dec_ref)):
-        k = kl(want, got)
-        out[f"vs_reference_{name}_kl_max"] = k.max().item()
-        out[f"vs_reference_{name}_top1"] = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
-        out[f"vs_reference_{name}_rel_fro"] = ((got.float() - want).norm() / want.norm()).item()
-    del ref
-    bound = 2e-2  # tolerance_bf16.toml [token] kl_max
-    if max(out["vs_reference_prefill_kl_max"], out["vs_reference_decode_kl_max"]) > bound:
-        raise SystemExit(f"triton bf16 vs reference float32 at V4-Flash shapes over KL {bound}: {out}")
+    f32 = Model(cfg, weights, device=ids.device, dtype=torch.float32, ops=get_ops("triton"))
+    toks = [first] + [lg.argmax(-1) for lg in eager_logits][: len(graph_logits) - 1]
+    n = len(toks)
+    runs = {}
+    for name, m in (("ref", ref), ("f32", f32)):
+        cache = m.new_cache()
+        pre = m.step(ids, cache)
+        sc = m.static_cache(cache, ids.shape[1] + n + 1)
+        step = DecodeGraph(m, sc) if (name == "f32" and ids.is_cuda) else (lambda t, m=m, sc=sc: m.decode(t, sc))
+        runs[name] = torch.cat([pre] + [step(t) for t in toks], 1)
+    selections = ref.trace(ids).selections
+    forced = model.forward(ids, selections=selections)
+    r = ((runs["f32"] - runs["ref"]).norm(dim=-1) / runs["ref"].norm(dim=-1)).flatten()
+    want = runs["ref"][:, : ids.shape[1]]
+    out = {"vs_reference_f32_rel_max": r.max().item(),
+           "vs_reference_f32_frac_within_1e-5": (r <= 1e-5).double().mean().item(),
+           "vs_reference_bf16_forced_kl_max": kl(want, forced).max().item(),
+           "vs_reference_bf16_forced_top1": (forced.argmax(-1) == want.argmax(-1)).double().mean().item(),
+           "vs_reference_bf16_unforced_prefill_kl_max": kl(want, model.forward(ids)).max().item(),
+           "vs_reference_bf16_unforced_decode_kl_max": kl(runs["ref"][:, ids.shape[1]:],
+                                                          torch.cat(graph_logits[:n], 1)).max().item()}
+    del ref, f32
+    print(json.dumps(out, indent=1))
+    if out["vs_reference_f32_frac_within_1e-5"] < 0.99 or out["vs_reference_bf16_forced_kl_max"] > 2e-2:
+        raise SystemExit(f"triton vs reference at these shapes fails its gate: {out}")
     return out
 
 

@@ -531,19 +531,10 @@ class Model:
     def _hc_pre(self, h, fn, base, scale):
         """mHC: from the streams, the collapse weights (pre), the expand weights (post) and a doubly
         stochastic mixing matrix (comb, Sinkhorn); returns (post, comb, collapsed input)."""
-        cfg, n = self.cfg, self.cfg.hc_mult
-        acc = _acc(h.dtype)
-        hf = h.to(acc)
-        mix = self._hc_mix(hf, fn)
-        base, scale = base.to(acc), scale.to(acc)
-        pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-        post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-        comb = mix[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
-        comb = torch.softmax(comb, -1) + cfg.hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + cfg.hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
+        cfg = self.cfg
+        hf = h.to(_acc(h.dtype))
+        pre, post, comb = self.ops.hc_split(self._hc_mix(hf, fn), base, scale, cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                            cfg.hc_eps)
         xin = (pre.unsqueeze(-1) * hf).sum(2).to(h.dtype)
         return post, comb, xin
 

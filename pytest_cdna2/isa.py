@@ -130,13 +130,17 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
 
 
 def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
-    """Every kernel in cdna2_engine.ops.triton.kernels.ISA_SPECS, compiled for each target."""
-    from cdna2_engine.ops.triton.kernels import ISA_SPECS
+    """Every kernel in cdna2_engine.ops.triton.kernels.ISA_SPECS, compiled for each target, and those in
+    ISA_SPECS_SM90 (hardware-FP8 variants) for sm_90 only."""
+    from cdna2_engine.ops.triton import kernels
 
     out = []
-    for name, fn, (sig, const), warps, matmul in ISA_SPECS:
+    for name, fn, (sig, const), warps, matmul in kernels.ISA_SPECS:
         for tgt in targets:
             out.append(audit_kernel(name, fn, sig, const, warps, matmul, tgt))
+    for name, fn, (sig, const), warps, matmul in getattr(kernels, "ISA_SPECS_SM90", []):
+        if SM90 in targets:
+            out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90))
     return out
 
 

@@ -81,6 +81,28 @@ def test_linear_fp8(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, 
 
 
 @pytest.mark.parametrize("B,S", SHAPES)
+def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S):
+    """Unquantized weights (head, router, compressors): bf16 as stored on a GPU, fp16 in the interpreter."""
+    torch.manual_seed(B * 100 + S + 7)
+    wdt = torch.float16 if cdna2_device.type == "cpu" else torch.bfloat16
+    x, w = rnd(B, S, 300, dev=cdna2_device, dtype=dtype), QWeight(rnd(77, 300, dev=cdna2_device, dtype=wdt), None,
+                                                                  "dense")
+    check("linear_dense", ops.linear(x, w), reference.linear(f64(x), w), dtype, cdna2_tolerance, cdna2_record)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("B,S", SHAPES)
+def test_hc_split(ops, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n):
+    """mHC's pre/post weights and Sinkhorn comb from fp32 mix logits (the engine always passes fp32)."""
+    torch.manual_seed(B * 100 + S + n)
+    mix = rnd(B, S, 2 * n + n * n, dev=cdna2_device, scale=3.0)
+    base, scale = rnd(2 * n + n * n, dev=cdna2_device), torch.rand(3, device=cdna2_device) + 0.5
+    got = torch.cat([t.flatten(2) for t in ops.hc_split(mix, base, scale, n, 20, 1e-6)], -1)
+    ref = torch.cat([t.flatten(2) for t in reference.hc_split(f64(mix), f64(base), f64(scale), n, 20, 1e-6)], -1)
+    check("hc_split", got, ref, torch.float32, cdna2_tolerance, cdna2_record)
+
+
+@pytest.mark.parametrize("B,S", SHAPES)
 def test_grouped_linear(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S):
     torch.manual_seed(B * 100 + S + 1)
     x, w = rnd(B, S, 4, 72, dev=cdna2_device, dtype=dtype), fp8_weight(4 * 40, 72, cdna2_device)

@@ -17,11 +17,15 @@ def audits() -> list[isa.KernelAudit]:
 
 
 def test_every_kernel_compiles_for_both_targets(audits):
-    from cdna2_engine.ops.triton.kernels import ISA_SPECS
+    from cdna2_engine.ops.triton.kernels import ISA_SPECS, ISA_SPECS_SM90
 
     names = {spec[0] for spec in ISA_SPECS}
-    assert {"fp8_gemv", "fp8_matmul", "moe_gate_up", "moe_down", "attention", "index_scores"} <= names
-    assert {(a.name, a.target) for a in audits} == {(n, t) for n in names for t in ("gfx90a", "sm_90")}
+    sm90_only = {spec[0] for spec in ISA_SPECS_SM90}
+    assert {"fp8_gemv", "fp8_matmul", "fp8_stream", "moe_gate_up", "moe_down", "moe_gate_up_stream",
+            "moe_down_stream", "attention", "index_scores"} <= names
+    assert "fp8_stream_hw" in sm90_only and not names & sm90_only
+    assert {(a.name, a.target) for a in audits} == (
+        {(n, t) for n in names for t in ("gfx90a", "sm_90")} | {(n, "sm_90") for n in sm90_only})
     failed = [a.row() for a in audits if not a.compiled]
     assert not failed, "\n".join(failed)
 
@@ -59,3 +63,16 @@ def test_bad_spec_is_reported():
 def test_compile_error_is_a_violation():
     a = isa.audit_kernel("broken", object(), {}, {}, 4, False)
     assert not a.compiled and a.violations()[0].startswith("does not compile")
+
+
+def test_sm90_fp8_stream_uses_hardware_conversion():
+    """The HW variant of the FP8 stream converts E4M3 with cvt.rn.f16x2.e4m3x2 (no bit decode)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cdna2_engine.ops.triton.kernels import ISA_SPECS_SM90
+
+    _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == "fp8_stream_hw")
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget(*isa.SM90), options={"num_warps": warps})
+    assert "e4m3x2" in k.asm["ptx"]

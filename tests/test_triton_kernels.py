@@ -55,10 +55,13 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
     return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
 
 
-# M = B*S rows: 1 and 3 take the GEMV kernel, 2*11 = 22 the dot kernel.
+# M = B*S rows: 1 takes the stream kernel, 3 the GEMV kernel, 2*11 = 22 the dot kernel. hw: the stream kernel's
+# E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s", [(1, 1), (1, 3), (2, 11)])
-def test_fp8_linear(dtype, b, s):
+@pytest.mark.parametrize("b,s,hw,unroll", [(1, 1, False, 1), (1, 1, True, 2), (1, 3, False, 1), (2, 11, False, 1)])
+def test_fp8_linear(dtype, b, s, hw, unroll, monkeypatch):
+    monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
+    monkeypatch.setitem(tri.FP8_STREAM, "UNROLL", unroll)
     g = gen(100 + 10 * b + s)
     w = fp8_weight(200, 300, g)
     x = torch.randn(b, s, 300, generator=g).to(dtype)
@@ -66,8 +69,10 @@ def test_fp8_linear(dtype, b, s):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s", [(1, 1), (2, 1), (2, 5)])
-def test_fp8_grouped_linear(dtype, b, s):
+@pytest.mark.parametrize("b,s,hw", [(1, 1, False), (2, 1, True), (2, 5, False)])
+def test_fp8_grouped_linear(dtype, b, s, hw, monkeypatch):
+    """M = 1 and 2 take the stream kernel with per-row scales (72-row groups straddle the 128-row blocks)."""
+    monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     g = gen(200 + 10 * b + s)
     w = fp8_weight(4 * 72, 136, g)  # 4 groups of 72 rows: row blocks of 128 straddle the groups
     x = torch.randn(b, s, 4, 136, generator=g).to(dtype)
@@ -77,10 +82,12 @@ def test_fp8_grouped_linear(dtype, b, s):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "words"), (3, 3, 0.0, "words"), (9, 2, 1.5, "bytes"), (1, 2, 7.0, "dot"),
-                          (9, 3, 1.5, "dot"), (1, 2, 7.0, "dot_kn"), (9, 3, 1.5, "dot_kn")])
+                          (9, 3, 1.5, "dot"), (1, 2, 7.0, "dot_kn"), (9, 3, 1.5, "dot_kn"), (1, 3, 7.0, "stream"),
+                          (1, 2, 0.0, "stream")])
 def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
-    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), or the tl.dot forms
-    (interleaved tile, or K-major with even/odd k as two dots)."""
+    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), the tl.dot forms
+    (interleaved tile, or K-major with even/odd k as two dots), or the one-token dot-free stream."""
+    monkeypatch.setitem(tri.MOE_STREAM, "on", variant == "stream")
     monkeypatch.setitem(tri.MOE, "WORDS", variant == "words")
     monkeypatch.setitem(tri.MOE, "DOT", variant.startswith("dot"))
     monkeypatch.setitem(tri.MOE_DOT, "KN", variant == "dot_kn")

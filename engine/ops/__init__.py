@@ -17,6 +17,7 @@ OP_NAMES = (
     "linear",
     "grouped_linear",
     "rms_norm",
+    "hc_split",
     "rope",
     "attention",
     "index_scores",

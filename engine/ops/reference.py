@@ -108,6 +108,23 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, margin
 
 
+def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC's weights from its mix logits [..., 2n + n*n]: pre [..., n] (collapse), post [..., n] (expand)
+    and comb [..., n, n], a row softmax made doubly stochastic by `iters` Sinkhorn normalizations."""
+    acc = _acc(mix.dtype)
+    mix, base, scale = mix.to(acc), base.to(acc), scale.to(acc)
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mix[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
+    comb = torch.softmax(comb, -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     if limit and limit > 0:

@@ -13,6 +13,7 @@ sort (one device sort; ties to the lower index are its contract, and a hand kern
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -138,6 +139,12 @@ FP8_MIN_PROGRAMS = 264  # two per H200 SM: narrower row tiles below this
 MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True, "KN": False}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True, "KN": False}  # 1 token
+# Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
+# hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
+FP8_STREAM_MAX_M = 1
+FP8_STREAM = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "UNROLL": 1, "HW": None}  # H200 run 7
+# MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
+MOE_STREAM = {"on": True, "BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "num_stages": 2}  # H200 run 7
 ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 
 
@@ -151,7 +158,14 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
-    if m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep both forms covered
+    if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
+        c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
+        bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+        uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
+        launch("fp8_stream_kernel", (triton_cdiv(r, bn), m, g), *args, BLOCK_N=bn, BLOCK_K=bk,
+               HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform, UNROLL=c["UNROLL"],
+               num_warps=c["num_warps"])
+    elif m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep every form covered
         bm = _pow2(m, 1)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV
         bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
@@ -169,12 +183,28 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     return y
 
 
+@functools.cache
+def _hw_fp8_on(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _hw_fp8(t: torch.Tensor) -> bool:
+    """E4M3 conversion in hardware: CUDA sm_89+ (cvt.rn.f16x2.e4m3x2); gfx90a (ROCm) has no FP8 units. The CPU
+    interpreter converts fp8 in software either way; it takes the bit decode unless a test forces HW."""
+    if t.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _hw_fp8_on(t.device)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W^T; FP8 weights decoded in registers, others via the reference op."""
+    """y = x @ W^T; FP8 weights decoded in registers, unquantized ones streamed at decode sizes, others via
+    the reference op."""
+    if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
+        return _dense_linear(x, w)
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -196,7 +226,8 @@ def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
 
 
 def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
-    """Group the (token, slot) pairs by expert without a host sync.
+    """Group the (token, slot) pairs by expert without a host sync (a CUDA graph can hold it: no bincount,
+    whose CUDA version reads the maximum back to the host).
 
     Returns (pair_tok, pair_id, blk_e, blk_lo, blk_hi): sorted pairs' token and flat (t*k + j) ids, and per
     launch block its expert (-1 for unused tail blocks) and its [lo, hi) range of sorted pairs. The grid
@@ -205,7 +236,7 @@ def moe_blocks(idx: torch.Tensor, n_experts: int, block_m: int):
     flat = idx.reshape(-1).to(torch.int64)
     p = flat.numel()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts
     nblk = (counts + block_m - 1) // block_m
     cum = torch.cumsum(nblk, 0)
@@ -230,7 +261,9 @@ def _topk_of(plan: tuple) -> int:
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    if MOE["DOT"]:
+    if t == 1 and MOE_STREAM["on"]:
+        bm = 1
+    elif MOE["DOT"]:
         bm = 16 if t * topk <= 16 * n_experts else 64
     else:
         bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
@@ -239,6 +272,10 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
 
 def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[int, int, dict]:
     """(BLOCK_N, GROUPS, other launch keywords) for this device, dtype and batch."""
+    if tokens == 1 and MOE_STREAM["on"] and bm == 1:
+        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1} if launch.cpu else MOE_STREAM
+        return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                                           "WORDS": True, "DOT": -1, "STREAM": True}
     if MOE["DOT"]:
         dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
         if launch.cpu:
@@ -313,6 +350,41 @@ def moe_experts(
     _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=idx.shape[-1], BLOCK_D=bd,
                num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Unquantized linear at decode sizes, mHC split
+
+DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
+DENSE_GEMV = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}
+
+
+def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in x.dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m, n = x2.shape[0], w.data.shape[0]
+    wd = w.data.contiguous()
+    y = _empty(m, n, dtype=x.dtype, device=x.device)
+    bm = _pow2(m, 1)
+    bn, bk = DENSE_GEMV["BLOCK_N"], DENSE_GEMV["BLOCK_K"] // bm
+    _Launch(x)("dense_gemv_kernel", (triton_cdiv(n, bn),), x2, wd, y, m, n, k, x2.stride(0), wd.stride(0),
+               y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(bk, 32), num_warps=DENSE_GEMV["num_warps"])
+    return y.reshape(*lead, n)
+
+
+def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC's pre, post and Sinkhorn comb (as reference.hc_split), one program per row."""
+    if _use_reference(mix, base, scale):
+        return _ref.hc_split(mix, base, scale, n, iters, eps)
+    lead = mix.shape[:-1]
+    m2 = mix.reshape(-1, mix.shape[-1]).float().contiguous()
+    out = _empty(m2.shape[0], 2 * n + n * n, dtype=torch.float32, device=mix.device)
+    _Launch(mix)("hc_split_kernel", (m2.shape[0],), m2, base.float().contiguous(), scale.float().contiguous(),
+                 out, n, iters, float(eps), m2.stride(0), out.stride(0), NP=_pow2(n, 2), num_warps=1)
+    return (out[:, :n].reshape(*lead, n), out[:, n:2 * n].reshape(*lead, n),
+            out[:, 2 * n:].reshape(*lead, n, n))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -406,5 +478,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "rope", "attention", "index_scores", "moe_experts",
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_split", "rope", "attention", "index_scores", "moe_experts",
            "moe_blocks"]

@@ -124,6 +124,62 @@ def fp8_matmul_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
+@triton.jit
+def _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0, K, r_ok,
+                     BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr):
+    """acc[BN, BK] += W[:, k0:k0+BK] * (x * block scale): one FMA per weight."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    k_ok = kk < K
+    wb = tl.load(w_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0)
+    x = tl.load(x_base + k0, mask=k_ok, other=0.0).to(tl.float32)
+    if UNIFORM:
+        xs = (x * _e8m0(tl.load(s_tile + kk // 128, mask=k_ok, other=0), 0))[None, :]
+    else:
+        xs = x[None, :] * _e8m0(tl.load(s_rows[:, None] + kk[None, :] // 128, mask=r_ok[:, None] & k_ok[None, :],
+                                        other=0), 0)
+    if HW:
+        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        w = _e4m3_f32(wb)
+    return acc + w * xs
+
+
+@triton.jit
+def fp8_stream_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, R, K,
+    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
+):
+    """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
+
+    Each program streams a [BLOCK_N, K] slab of W in [BLOCK_N, BLOCK_K] tiles into a [BLOCK_N, BLOCK_K] fp32
+    accumulator (one FMA per weight, no per-step reduction); the rows are summed once at the end.
+    The block scale multiplies x, not the weights: UNIFORM (every row of the tile in one 128-row scale block,
+    set by the host) loads one scale per 128 columns; otherwise a per-(row, column) scale is applied.
+    HW (sm_90): E4M3 -> fp32 by the hardware conversion (cvt.rn.f16x2.e4m3x2); else the exact bit decode
+    (gfx90a has no FP8 hardware). UNROLL = 2: two tiles per iteration, both loads issued before either is used.
+    """
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = g * R + offs_r
+    r_ok = offs_r < R
+    w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    x_base = x_ptr + m * stride_xm + g * stride_xg + tl.arange(0, BLOCK_K)
+    s_tile = s_ptr + ((g * R + pid_n * BLOCK_N) // 128) * stride_sn  # UNIFORM: the tile's scale row
+    s_rows = s_ptr + (rows // 128) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            acc = _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0 + u * BLOCK_K, K, r_ok, BLOCK_K, HW,
+                                   UNIFORM)
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + m * stride_ym + g * stride_yg + offs_r, y.to(y_ptr.dtype.element_ty), mask=r_ok)
+
+
 # ----------------------------------------------------------------------------------------------------
 # MXFP4 MoE. Pairs (token t, slot j) are sorted by expert; block b covers sorted pairs
 # [blk_lo[b], blk_hi[b]) of expert blk_e[b] (blk_e = -1: an unused tail block of the launch grid).
@@ -316,6 +372,56 @@ def _mxfp4_tile_gemv_w32(w_base, s_base, x_base, K, r_ok, m_ok,
 
 
 @triton.jit
+def _mxfp4_stream_part(w_base, s_base, gg, word, xs, g_ok, r_ok):
+    """[BN, G] scaled group partial sums (x 2^-14) of one tile read as uint32 words [BN, G, 4] (a row's scale
+    group of 32 values is 4 words, one 16 B load); xs[q] = x at elements 8i+q of each word, [G, 4] fp32."""
+    w = tl.load(w_base[:, None, None] + word[None, :, :], mask=r_ok[:, None, None] & g_ok[None, :, None],
+                other=0).to(tl.uint32, bitcast=True)
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for q in tl.static_range(4):
+        lo, hi = _e2m1_pair(w, q)  # elements 8i+q, 8i+q+4 (two codes per bit op, fp16 halves)
+        part += lo * xs[q][None, :, :]  # two separate adds: each contracts to one FMA
+        part += hi * xs[q + 4][None, :, :]
+    sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=0), 0)
+    return tl.sum(part, axis=2) * sc  # the 4 words of a group are in one thread: no shuffle
+
+
+@triton.jit
+def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
+                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr):
+    """One token row (M = 1): W1 x (and W3 x when PAIR) over all K for a [BLOCK_N] row tile, no tl.dot.
+
+    w*_base address uint32 words (8 codes each). The tile is [BLOCK_N, GROUPS, 4] words: one row's scale group
+    per 16 B, so the group sum stays inside one thread and is scaled once; partials accumulate per (row, group
+    slot) and are reduced across slots once at the end. x is read as [GROUPS, 4, 8] and split by nibble slot.
+    """
+    offs_g = tl.arange(0, GROUPS)
+    offs_w = tl.arange(0, 4)
+    offs_x = tl.arange(0, GROUPS * 32)
+    acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        gg = g0 + offs_g
+        g_ok = gg < K // 32
+        word = gg[:, None] * 4 + offs_w[None, :]  # [G, 4]
+        kx = g0 * 32 + offs_x
+        x = tl.load(x_base + kx, mask=kx < K, other=0.0).to(tl.float32)
+        # element 8i + p, p = 4h + 2a + b
+        x0, x1 = tl.split(tl.reshape(x, (GROUPS, 4, 2, 2, 2)))  # b
+        x00, x01 = tl.split(x0)  # (b=0) a
+        x10, x11 = tl.split(x1)  # (b=1) a
+        p0, p4 = tl.split(x00)
+        p2, p6 = tl.split(x01)
+        p1, p5 = tl.split(x10)
+        p3, p7 = tl.split(x11)
+        xs = (p0, p1, p2, p3, p4, p5, p6, p7)
+        acc1 += _mxfp4_stream_part(w1_base, s1_base, gg, word, xs, g_ok, r_ok)
+        if PAIR:
+            acc3 += _mxfp4_stream_part(w3_base, s3_base, gg, word, xs, g_ok, r_ok)
+    return tl.sum(acc1, axis=1) * 16384.0, tl.sum(acc3, axis=1) * 16384.0  # undo the decode's 2^-14 (exact)
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
     pair_tok_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
@@ -323,6 +429,7 @@ def moe_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     WORDS: tl.constexpr = False, DOT: tl.constexpr = -1, FUSE: tl.constexpr = False, KN: tl.constexpr = False,
+    STREAM: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
     pid_n = tl.program_id(0)
@@ -340,7 +447,12 @@ def moe_gate_up_kernel(
         e64 = e.to(tl.int64)
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
-        if DOT >= 0 and KN:
+        if STREAM:  # BLOCK_M == 1: one (token, expert) pair per block; w*_ptr are uint32 views
+            g1, u1 = _mxfp4_stream(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off,
+                                   x_ptr + tok.to(tl.int64) * stride_xt, D, r_ok, BLOCK_N, GROUPS, True)
+            g = g1[None, :]
+            u = u1[None, :]
+        elif DOT >= 0 and KN:
             g, u = _mxfp4_pair_dot_kn(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
                                       r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT, True)
         elif DOT >= 0:
@@ -374,7 +486,7 @@ def moe_down_kernel(
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS: tl.constexpr = False,
-    DOT: tl.constexpr = -1, KN: tl.constexpr = False,
+    DOT: tl.constexpr = -1, KN: tl.constexpr = False, STREAM: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
@@ -391,7 +503,11 @@ def moe_down_kernel(
         e64 = e.to(tl.int64)
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
-        if DOT >= 0 and KN:
+        if STREAM:  # BLOCK_M == 1; w2_ptr is a uint32 view
+            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_ptr + pairs.to(tl.int64) * stride_hp, I, r_ok,
+                                  BLOCK_N, GROUPS, False)
+            y = y1[None, :]
+        elif DOT >= 0 and KN:
             y, _ = _mxfp4_pair_dot_kn(w_at, s_at, w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT,
                                       False)
         elif DOT >= 0:
@@ -602,6 +718,64 @@ def index_scores_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
+# Unquantized linear at decode sizes; mHC's pre/post/Sinkhorn split.
+
+
+@triton.jit
+def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
+    stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
+    only the summation order differs). The reference would first write a float32 copy of W."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = rn < N, rm < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_row + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def hc_split_kernel(mix_ptr, base_ptr, scale_ptr, out_ptr, N, ITERS, EPS, stride_mix, stride_out,
+                    NP: tl.constexpr):
+    """One row per program, fp32: from mHC's mix logits [2N + N*N], pre = sigmoid + eps, post = 2 sigmoid,
+    comb = softmax over each row then ITERS alternating column/row normalizations (Sinkhorn), written as
+    [pre | post | comb row-major]. One launch instead of ~6 per Sinkhorn iteration."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    ok = i < N
+    ok2 = ok[:, None] & ok[None, :]
+    m = mix_ptr + row * stride_mix
+    o = out_ptr + row * stride_out
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(tl.load(m + i, mask=ok, other=0.0) * s0 + tl.load(base_ptr + i, mask=ok, other=0.0)) + EPS
+    post = 2.0 * tl.sigmoid(tl.load(m + N + i, mask=ok, other=0.0) * s1
+                            + tl.load(base_ptr + N + i, mask=ok, other=0.0))
+    ij = i[:, None] * N + i[None, :]
+    c = tl.load(m + 2 * N + ij, mask=ok2, other=0.0) * s2 + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
+    c = tl.where(ok2, c, tl.where(ok[:, None], float("-inf"), 0.0))  # padded columns get no mass
+    e = tl.exp(c - tl.max(c, axis=1)[:, None])
+    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + EPS, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + EPS)
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + EPS)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + EPS)
+    tl.store(o + i, pre, mask=ok)
+    tl.store(o + N + i, post, mask=ok)
+    tl.store(o + 2 * N + ij, comb, mask=ok2)
+
+
+# ----------------------------------------------------------------------------------------------------
 # ISA compile specs (pytest_cdna2/isa.py compiles each ahead of time for gfx90a and sm_90). One entry per
 # kernel at representative V4-Flash tiles; `matmul` says whether the kernel must contain MFMA (v_mfma).
 
@@ -631,6 +805,10 @@ _IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh str
 # (name, kernel, (signature, constexprs), num_warps, matmul)
 ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_gemv", fp8_gemv_kernel, _sig(*_FP8_ARGS, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128), 4, False),
+    ("fp8_stream", fp8_stream_kernel,
+     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2), 4, False),  # gfx90a's decode
+    ("fp8_stream_rows", fp8_stream_kernel,
+     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
     ("moe_gate_up", moe_gate_up_kernel,
@@ -651,6 +829,12 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_down_w32", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True,
           DOT=-1), 4, False),
+    ("moe_gate_up_stream", moe_gate_up_kernel,
+     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=64, GROUPS=4, WORDS=True, DOT=-1, FUSE=False, STREAM=True), 4, False),
+    ("moe_down_stream", moe_down_kernel,
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=64, GROUPS=4, WORDS=True,
+          DOT=-1, STREAM=True), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
     ("rms_norm", rms_norm_kernel,
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
@@ -669,4 +853,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=512), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
+    ("dense_gemv", dense_gemv_kernel,
+     _sig("x_ptr w_ptr y_ptr M N K stride_xm stride_wn stride_ym", "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32",
+          BLOCK_M=1, BLOCK_N=16, BLOCK_K=256), 4, False),
+    ("hc_split", hc_split_kernel,
+     _sig("mix_ptr base_ptr scale_ptr out_ptr N ITERS EPS stride_mix stride_out",
+          "*fp32 *fp32 *fp32 *fp32 i32 i32 fp32 i32 i32", NP=4), 1, False),
+]
+
+# Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above).
+ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
+    ("fp8_stream_hw", fp8_stream_kernel,
+     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2), 4, False),
 ]

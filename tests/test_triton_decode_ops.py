@@ -1,0 +1,64 @@
+"""The decode-step kernels outside the weight formats, in Triton's interpreter against float64 references:
+the unquantized linear at decode sizes (the head, the router, the compressors; reference would copy W to
+float32 on every call) and mHC's pre/post/Sinkhorn split. Fresh random inputs per case, kernel outputs
+poisoned with NaN first. Tolerance: fp32 arithmetic against float64, rel. Frobenius 1e-5 (DESIGN.md
+section 5, kernel tier, fp32 operands); the Sinkhorn split is elementwise in fp32, so 1e-6 per element.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cdna2_engine.ops import QWeight  # noqa: E402
+from cdna2_engine.ops import reference as ref  # noqa: E402
+from cdna2_engine.ops import triton as tri  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(tri, "POISON", True)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "NaN in output (an element the kernel never wrote?)"
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (3, 130, 64), (4, 5, 1000)])
+def test_dense_linear_at_decode_sizes(m, n, k, wdtype):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, 1, k, generator=g)
+    w = QWeight((torch.randn(n, k, generator=g) / k**0.5).to(wdtype), None, "dense")
+    y = tri.linear(x, w)
+    assert y.dtype == x.dtype
+    assert rel(y, ref.linear(x.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-5
+
+
+def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tri, "_dense_linear", lambda *a: calls.append(a))
+    x = torch.randn(tri.DENSE_GEMV_MAX_M + 1, 16)
+    tri.linear(x, QWeight(torch.randn(8, 16), None, "dense"))
+    tri.linear(x[:1], QWeight(torch.randn(8, 16, dtype=torch.bfloat16), None, "dense"))  # interpreter: no bf16
+    assert calls == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_hc_split(n, rows):
+    g = torch.Generator().manual_seed(n * 10 + rows)
+    mix = torch.randn(rows, 1, 2 * n + n * n, generator=g) * 3
+    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
+    got = tri.hc_split(mix, base, scale, n, 20, 1e-6)
+    want = ref.hc_split(mix.double(), base.double(), scale.double(), n, 20, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        assert not torch.isnan(a).any()
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert (a.double() - b).abs().max() <= 1e-6
+    comb = got[2].double()
+    assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)  # doubly stochastic
