@@ -394,7 +394,7 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     print(f"fp8 wq_b M=64 {ms*1e3:.1f} us")
 
 
-def other_bench(results: dict, copy: float) -> None:
+def other_bench(results: dict, copy: float, sweep: bool) -> None:
     out = {}
     xs = [torch.randn(64, HID, device=DEV, dtype=ACT, generator=GEN) for _ in range(4)]
     g = torch.randn(HID, device=DEV, dtype=ACT, generator=GEN)
@@ -413,7 +413,7 @@ def other_bench(results: dict, copy: float) -> None:
     saved, best = dict(tri.DENSE_GEMV), None
     configs = [dict(saved)] + [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw} for bn, bk, nw in
                                ((16, 512, 4), (8, 1024, 4), (32, 256, 8), (16, 1024, 8), (4, 1024, 2), (8, 512, 2),
-                                (32, 512, 8), (64, 256, 8))]
+                                (32, 512, 8), (64, 256, 8)) if sweep]
     for cfg in configs:
         tri.DENSE_GEMV.update(cfg)
         ms = time_graph_ms(lambda w: tri.linear(x1, w), [(w,) for w in heads])
@@ -454,7 +454,7 @@ def main() -> None:
     print(f"copy {copy:.3f} TB/s", flush=True)
     moe_bench(results, copy, args.sweep)
     fp8_bench(results, copy, args.sweep)
-    other_bench(results, copy)
+    other_bench(results, copy, args.sweep)
     results["copy_TBps_end"] = copy_tbps()
     results["wall_s"] = time.time() - t0
     out = Path(args.out)

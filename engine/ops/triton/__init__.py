@@ -142,9 +142,9 @@ MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
-FP8_STREAM = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "UNROLL": 1, "HW": None}  # H200 run 7
+FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None}  # H200 runs 7-8
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
-MOE_STREAM = {"on": True, "BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "num_stages": 2}  # H200 run 7
+MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2}  # H200 run 8
 ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
 
 
@@ -161,6 +161,8 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+        while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < FP8_MIN_PROGRAMS:
+            bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m, g), *args, BLOCK_N=bn, BLOCK_K=bk,
                HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform, UNROLL=c["UNROLL"],
@@ -356,7 +358,7 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
-DENSE_GEMV = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}
+DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the head at 1.00 of copy
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
