@@ -18,7 +18,7 @@ import torch
 from .cache import Cache, CompressorState, LayerCache, StaticCache, StaticCompressor, StaticLayer
 from .config import Config, rope_inv_freq
 from .ops import QWeight
-from .ops.reference import swiglu
+from .ops.reference import hc_mix, swiglu
 
 
 @dataclass
@@ -501,48 +501,28 @@ class Model:
         B, S = ids.shape
         x = w["embed.weight"][ids].to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
+        hc = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
-            post, comb, xin = self._hc_pre(h, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"])
+            post, comb, xin = ops.hc_pre(h, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"], *hc)
             ctx.tap(f"{i}.attn_in", xin)
             a = attend(i, ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps))
             ctx.tap(f"{i}.attn_out", a)
-            h = self._hc_post(a, h, post, comb)
+            h = ops.hc_post(a, h, post, comb)
             ctx.tap(f"{i}.attn", h)
-            post, comb, xin = self._hc_pre(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"])
+            post, comb, xin = ops.hc_pre(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"], *hc)
             ctx.tap(f"{i}.ffn_in", xin)
             f = self.moe[i](ops.rms_norm(xin, w[p + "ffn_norm.weight"], cfg.rms_norm_eps), ids, ctx)
             ctx.tap(f"{i}.ffn_out", f)
-            h = self._hc_post(f, h, post, comb)
+            h = ops.hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
         acc = _acc(self.dtype)
         hf = h.to(acc)
-        pre = torch.sigmoid(self._hc_mix(hf, w["hc_head_fn"]) * w["hc_head_scale"].to(acc)
+        pre = torch.sigmoid(hc_mix(h, w["hc_head_fn"], cfg.rms_norm_eps) * w["hc_head_scale"].to(acc)
                             + w["hc_head_base"].to(acc)) + cfg.hc_eps
         y = (pre.unsqueeze(-1) * hf).sum(2)
         y = ops.rms_norm(y, w["norm.weight"], cfg.rms_norm_eps)
         return ops.linear(y, w["head.weight"])
-
-    def _hc_mix(self, hf: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-        flat = hf.flatten(2)
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return flat @ fn.to(hf.dtype).T
-
-    def _hc_pre(self, h, fn, base, scale):
-        """mHC: from the streams, the collapse weights (pre), the expand weights (post) and a doubly
-        stochastic mixing matrix (comb, Sinkhorn); returns (post, comb, collapsed input)."""
-        cfg = self.cfg
-        hf = h.to(_acc(h.dtype))
-        pre, post, comb = self.ops.hc_split(self._hc_mix(hf, fn), base, scale, cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                            cfg.hc_eps)
-        xin = (pre.unsqueeze(-1) * hf).sum(2).to(h.dtype)
-        return post, comb, xin
-
-    @staticmethod
-    def _hc_post(out, h, post, comb):
-        """New streams: post_k * out + sum_j comb[j, k] * h_j."""
-        acc = post.dtype
-        return (post.unsqueeze(-1) * out.to(acc).unsqueeze(-2) + comb.transpose(-1, -2) @ h.to(acc)).to(h.dtype)
 
 
 class DecodeGraph:

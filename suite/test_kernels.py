@@ -92,14 +92,20 @@ def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("B,S", SHAPES)
-def test_hc_split(ops, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n):
-    """mHC's pre/post weights and Sinkhorn comb from fp32 mix logits (the engine always passes fp32)."""
+def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n):
+    """mHC around a block: pre/post weights, Sinkhorn comb and collapsed input, then the new streams."""
     torch.manual_seed(B * 100 + S + n)
-    mix = rnd(B, S, 2 * n + n * n, dev=cdna2_device, scale=3.0)
+    D = 300
+    h, out = rnd(B, S, n, D, dev=cdna2_device, dtype=dtype), rnd(B, S, D, dev=cdna2_device, dtype=dtype)
+    fn = rnd(2 * n + n * n, n * D, dev=cdna2_device, scale=3 / (n * D) ** 0.5)
     base, scale = rnd(2 * n + n * n, dev=cdna2_device), torch.rand(3, device=cdna2_device) + 0.5
-    got = torch.cat([t.flatten(2) for t in ops.hc_split(mix, base, scale, n, 20, 1e-6)], -1)
-    ref = torch.cat([t.flatten(2) for t in reference.hc_split(f64(mix), f64(base), f64(scale), n, 20, 1e-6)], -1)
-    check("hc_split", got, ref, torch.float32, cdna2_tolerance, cdna2_record)
+    post, comb, x = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6)
+    rpost, rcomb, rx = reference.hc_pre(f64(h), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6)
+    check("hc_pre_weights", torch.cat([post, comb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
+          torch.float32, cdna2_tolerance, cdna2_record)  # computed in fp32 from any h
+    check("hc_pre_input", x, rx, dtype, cdna2_tolerance, cdna2_record)
+    y = ops.hc_post(out, h, rpost.float(), rcomb.float())
+    check("hc_post", y, reference.hc_post(f64(out), f64(h), rpost, rcomb), dtype, cdna2_tolerance, cdna2_record)
 
 
 @pytest.mark.parametrize("B,S", SHAPES)

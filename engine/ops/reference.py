@@ -112,8 +112,6 @@ def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC's weights from its mix logits [..., 2n + n*n]: pre [..., n] (collapse), post [..., n] (expand)
     and comb [..., n, n], a row softmax made doubly stochastic by `iters` Sinkhorn normalizations."""
-    acc = _acc(mix.dtype)
-    mix, base, scale = mix.to(acc), base.to(acc), scale.to(acc)
     pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
@@ -123,6 +121,29 @@ def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """mHC's mix logits: the flattened streams h [..., n, D], RMS-normalized (no weight), times fn^T."""
+    acc = _acc(h.dtype)
+    flat = h.to(acc).flatten(-2)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return flat @ fn.to(acc).T
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block, from the streams h [..., n, D]: (post [..., n], comb [..., n, n], the collapsed
+    block input sum_k pre_k h_k [..., D] in h.dtype); pre/post/comb in fp32 (fp64 for fp64 h)."""
+    acc = _acc(h.dtype)
+    pre, post, comb = hc_split(hc_mix(h, fn, norm_eps), base.to(acc), scale.to(acc), n, iters, hc_eps)
+    return post, comb, (pre.unsqueeze(-1) * h.to(acc)).sum(-2).to(h.dtype)
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC after a block: new streams post_k * out + sum_j comb[j, k] h_j, [..., n, D] in h.dtype."""
+    acc = post.dtype
+    return (post.unsqueeze(-1) * out.to(acc).unsqueeze(-2) + comb.transpose(-1, -2) @ h.to(acc)).to(h.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

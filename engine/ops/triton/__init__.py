@@ -375,18 +375,51 @@ def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return y.reshape(*lead, n)
 
 
-def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC's pre, post and Sinkhorn comb (as reference.hc_split), one program per row."""
-    if _use_reference(mix, base, scale):
-        return _ref.hc_split(mix, base, scale, n, iters, eps)
-    lead = mix.shape[:-1]
-    m2 = mix.reshape(-1, mix.shape[-1]).float().contiguous()
-    out = _empty(m2.shape[0], 2 * n + n * n, dtype=torch.float32, device=mix.device)
-    _Launch(mix)("hc_split_kernel", (m2.shape[0],), m2, base.float().contiguous(), scale.float().contiguous(),
-                 out, n, iters, float(eps), m2.stride(0), out.stride(0), NP=_pow2(n, 2), num_warps=1)
-    return (out[:, :n].reshape(*lead, n), out[:, n:2 * n].reshape(*lead, n),
-            out[:, 2 * n:].reshape(*lead, n, n))
+HC_SPLIT_PROGRAMS = 256  # split the mix's K until rows x splits reaches this (decode: 1 row, fn 1.5 MB)
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block (as reference.hc_pre): a split-K mix launch, then one launch per row for the
+    Sinkhorn split and the collapse."""
+    if _use_reference(h):
+        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
+    lead, d = h.shape[:-2], h.shape[-1]
+    h2 = h.reshape(-1, n * d).contiguous()
+    rows, k = h2.shape
+    fn = fn.float().contiguous()
+    mix, bk = fn.shape[0], 128
+    split = max(1, min(triton_cdiv(k, bk), HC_SPLIT_PROGRAMS // rows))
+    chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
+    split = triton_cdiv(k, chunk)
+    pw = mix + 1
+    part = _empty(rows, split, pw, dtype=torch.float32, device=h.device)
+    launch = _Launch(h)
+    launch("hc_mix_partial_kernel", (rows, split), h2, fn, part, k, chunk, mix, h2.stride(0), fn.stride(0),
+           part.stride(0), PW=pw, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
+    post = _empty(rows, n, dtype=torch.float32, device=h.device)
+    comb = _empty(rows, n, n, dtype=torch.float32, device=h.device)
+    x = _empty(rows, d, dtype=h.dtype, device=h.device)
+    launch("hc_pre_kernel", (rows,), part, h2, base.float().contiguous(), scale.float().contiguous(), post, comb, x,
+           n, d, split, iters, float(norm_eps), float(hc_eps), part.stride(0), h2.stride(0), x.stride(0),
+           PW=pw, NP=_pow2(n, 2), BLOCK_D=min(1024, _pow2(d)), num_warps=4)
+    return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC after a block (as reference.hc_post): one launch, rows x D blocks."""
+    if _use_reference(out, h, post):
+        return _ref.hc_post(out, h, post, comb)
+    n, d = h.shape[-2:]
+    h2 = h.reshape(-1, n * d).contiguous()
+    o2 = out.reshape(-1, d).contiguous()
+    rows = h2.shape[0]
+    y = _empty(rows, n * d, dtype=h.dtype, device=h.device)
+    bd = min(1024, _pow2(d))
+    _Launch(h)("hc_post_kernel", (rows, triton_cdiv(d, bd)), o2, h2, post.reshape(rows, n).float().contiguous(),
+               comb.reshape(rows, n, n).float().contiguous(), y, n, d, o2.stride(0), h2.stride(0), y.stride(0),
+               NP=_pow2(n, 2), BLOCK_D=bd, num_warps=4)
+    return y.reshape(h.shape)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -480,5 +513,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_split", "rope", "attention", "index_scores", "moe_experts",
-           "moe_blocks"]
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "rope", "attention", "index_scores",
+           "moe_experts", "moe_blocks"]

@@ -746,33 +746,94 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride
 
 
 @triton.jit
-def hc_split_kernel(mix_ptr, base_ptr, scale_ptr, out_ptr, N, ITERS, EPS, stride_mix, stride_out,
-                    NP: tl.constexpr):
-    """One row per program, fp32: from mHC's mix logits [2N + N*N], pre = sigmoid + eps, post = 2 sigmoid,
-    comb = softmax over each row then ITERS alternating column/row normalizations (Sinkhorn), written as
-    [pre | post | comb row-major]. One launch instead of ~6 per Sinkhorn iteration."""
+def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p,
+                          PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams with every fn row over
+    one K chunk and their sum of squares, at part[row, split, :MIX] and part[row, split, PW - 1]. Split so
+    the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    j = tl.arange(0, MIXP)
+    j_ok = j < MIX
+    acc = tl.zeros([MIXP, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    k0 = sp * CHUNK
+    for kk in range(0, CHUNK, BLOCK_K):
+        rk = k0 + kk + tl.arange(0, BLOCK_K)
+        ok = rk < K
+        x = tl.load(h_ptr + row * stride_h + rk, mask=ok, other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + j[:, None] * stride_fn + rk[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
+        acc += f * x[None, :]
+        sq += x * x
+    out = part_ptr + row * stride_p + sp * PW
+    tl.store(out + j, tl.sum(acc, axis=1), mask=j_ok)
+    tl.store(out + PW - 1, tl.sum(sq, axis=0))
+
+
+@triton.jit
+def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
+                  N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x,
+                  PW: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row per program, fp32: the mix (splits summed in order, times the streams' inverse RMS), then
+    pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax and ITERS alternating column/row
+    normalizations (Sinkhorn), then the collapsed block input sum_k pre_k h_k in h's dtype."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
     ok2 = ok[:, None] & ok[None, :]
-    m = mix_ptr + row * stride_mix
-    o = out_ptr + row * stride_out
-    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(tl.load(m + i, mask=ok, other=0.0) * s0 + tl.load(base_ptr + i, mask=ok, other=0.0)) + EPS
-    post = 2.0 * tl.sigmoid(tl.load(m + N + i, mask=ok, other=0.0) * s1
-                            + tl.load(base_ptr + N + i, mask=ok, other=0.0))
     ij = i[:, None] * N + i[None, :]
-    c = tl.load(m + 2 * N + ij, mask=ok2, other=0.0) * s2 + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
+    m_pre = tl.zeros([NP], dtype=tl.float32)
+    m_post = tl.zeros([NP], dtype=tl.float32)
+    m_comb = tl.zeros([NP, NP], dtype=tl.float32)
+    ss = 0.0
+    for sp in range(SPLIT):
+        part = part_ptr + row * stride_p + sp * PW
+        m_pre += tl.load(part + i, mask=ok, other=0.0)
+        m_post += tl.load(part + N + i, mask=ok, other=0.0)
+        m_comb += tl.load(part + 2 * N + ij, mask=ok2, other=0.0)
+        ss += tl.load(part + PW - 1)
+    r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
+    post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + N + i, mask=ok, other=0.0))
+    c = m_comb * r * s2 + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
     c = tl.where(ok2, c, tl.where(ok[:, None], float("-inf"), 0.0))  # padded columns get no mass
     e = tl.exp(c - tl.max(c, axis=1)[:, None])
-    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + EPS, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + EPS)
+    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + HC_EPS, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
     for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + EPS)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + EPS)
-    tl.store(o + i, pre, mask=ok)
-    tl.store(o + N + i, post, mask=ok)
-    tl.store(o + 2 * N + ij, comb, mask=ok2)
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
+    tl.store(post_ptr + row * N + i, post, mask=ok)
+    tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
+    pre = tl.where(ok, pre, 0.0)
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        d_ok = rd < D
+        hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        tl.store(x_ptr + row * stride_x + rd, tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty),
+                 mask=d_ok)
+
+
+@triton.jit
+def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, N, D, stride_o, stride_h, stride_y,
+                   NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32, j in order), one row and one
+    D block per program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, NP)
+    ok = i < N
+    d_ok = rd < D
+    o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
+    acc = tl.load(post_ptr + row * N + i, mask=ok, other=0.0)[:, None] * o[None, :]
+    for j in range(N):
+        c = tl.load(comb_ptr + row * N * N + j * N + i, mask=ok, other=0.0)
+        hj = tl.load(h_ptr + row * stride_h + j * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+        acc += c[:, None] * hj[None, :]
+    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -856,9 +917,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("dense_gemv", dense_gemv_kernel,
      _sig("x_ptr w_ptr y_ptr M N K stride_xm stride_wn stride_ym", "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32",
           BLOCK_M=1, BLOCK_N=16, BLOCK_K=256), 4, False),
-    ("hc_split", hc_split_kernel,
-     _sig("mix_ptr base_ptr scale_ptr out_ptr N ITERS EPS stride_mix stride_out",
-          "*fp32 *fp32 *fp32 *fp32 i32 i32 fp32 i32 i32", NP=4), 1, False),
+    ("hc_mix_partial", hc_mix_partial_kernel,
+     _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p", "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32",
+          PW=25, MIXP=32, BLOCK_K=128), 4, False),
+    ("hc_pre", hc_pre_kernel,
+     _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
+          "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
+          PW=25, NP=4, BLOCK_D=1024), 4, False),
+    ("hc_post", hc_post_kernel,
+     _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr N D stride_o stride_h stride_y",
+          "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=1024), 4, False),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above).
