@@ -74,14 +74,26 @@ class Compressor:
     and RoPE at the window's first position."""
 
     def __init__(self, w: dict, prefix: str, ratio: int, dim: int, model: Model):
-        self.wkv, self.wgate = w[prefix + "wkv.weight"], w[prefix + "wgate.weight"]
+        wkv, wgate = w[prefix + "wkv.weight"], w[prefix + "wgate.weight"]
+        if wkv.kind == wgate.kind == "dense":  # one stream of both (one launch); stored under a derived name
+            w[prefix + "wkv+wgate.weight"] = QWeight(torch.cat([w.pop(prefix + "wkv.weight").data,
+                                                                w.pop(prefix + "wgate.weight").data]), None, "dense")
+        self.w_both = w.get(prefix + "wkv+wgate.weight")
+        self.wkv, self.wgate = (None, None) if self.w_both is not None else (wkv, wgate)
+        self.c = wkv.shape[0]  # kv (and gate) channels
         self.ape, self.norm = w[prefix + "ape"], w[prefix + "norm.weight"]
         self.ratio, self.dim, self.overlap, self.m = ratio, dim, ratio == 4, model
+
+    def _kv_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc, ops = _acc(x.dtype), self.m.ops
+        if self.w_both is None:
+            return ops.linear(x, self.wkv).to(acc), ops.linear(x, self.wgate).to(acc)
+        return ops.linear(x, self.w_both).to(acc).split(self.c, -1)
 
     def __call__(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
         ops, r, d = self.m.ops, self.ratio, self.dim
         acc = _acc(x.dtype)
-        kv, gate = ops.linear(x, self.wkv).to(acc), ops.linear(x, self.wgate).to(acc)
+        kv, gate = self._kv_gate(x)
         if st.pending_kv is not None:
             kv, gate = torch.cat([st.pending_kv, kv], 1), torch.cat([st.pending_gate, gate], 1)
         B, n = kv.shape[0], kv.shape[1] // r
@@ -111,37 +123,22 @@ class Compressor:
             st.entries = x.new_zeros(x.shape[0], 0, self.dim)
         return st.entries
 
-    def decode(self, x: torch.Tensor, st: StaticCompressor, pos: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, st: StaticCompressor, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1]: its row goes into the ring, then the window it belongs to
         is pooled (closed or not) into entry slot pos // ratio. Branch-free, so a CUDA graph can hold it; an
         unclosed window's entry is invisible (attention and indexer see slot t once (pos + 1) // ratio > t).
         Returns every entry slot [B, slots, d]."""
-        ops, r, d = self.m.ops, self.ratio, self.dim
-        acc = _acc(x.dtype)
-        ring = st.kv.shape[1]
-        kv, gate = ops.linear(x, self.wkv).to(acc), ops.linear(x, self.wgate).to(acc)  # [B, 1, c]
-        st.kv.index_copy_(1, pos % ring, kv)
-        st.gate.index_copy_(1, pos % ring, gate + self.ape.to(acc).index_select(0, pos % r))
-        w = pos // r
-        slots = torch.arange(r, device=x.device)
-        cur = (w % (ring // r)) * r + slots
-        if self.overlap:
-            prev = ((w + 1) % 2) * r + slots
-            kv = torch.cat([st.kv[:, prev, :d], st.kv[:, cur, d:]], 1)  # [B, 2r, d], as in __call__
-            gate = torch.cat([st.gate[:, prev, :d], st.gate[:, cur, d:]], 1)
-        else:
-            kv, gate = st.kv[:, cur], st.gate[:, cur]
-        pooled = (kv * torch.softmax(gate, dim=1)).sum(1, keepdim=True)  # [B, 1, d]
-        pooled = ops.rms_norm(pooled.to(x.dtype), self.norm, self.m.cfg.rms_norm_eps)
-        cos, sin = self.m.rope_c((w * r).expand(x.shape[0], 1))
-        st.entries.index_copy_(1, w, ops.rope(pooled.unsqueeze(2), cos, sin).squeeze(2))
+        kv, gate = self._kv_gate(x)  # [B, 1, c] each
+        cos, sin = ctx.rope(self.m.rope_c, pos // self.ratio * self.ratio, x.shape[0], 1, key=self.ratio)
+        self.m.ops.compress_step(kv, gate, st.kv, st.gate, st.entries, self.ape, self.norm, cos, sin, pos,
+                                 self.ratio, self.m.cfg.rms_norm_eps)
         return st.entries
 
     def to_static(self, st: CompressorState, pos: int, batch: int, capacity: int,
                   dtype: torch.dtype) -> StaticCompressor:
         """The same state in `decode`'s fixed shapes (pending rows and CSA's previous Ca half into the ring)."""
         r, d, dev, acc = self.ratio, self.dim, self.ape.device, _acc(dtype)
-        ring, c = (2 * r if self.overlap else r), self.wkv.shape[0]
+        ring, c = (2 * r if self.overlap else r), self.c
         kv = torch.zeros(batch, ring, c, dtype=acc, device=dev)
         gate = torch.full((batch, ring, c), float("-inf"), dtype=acc, device=dev)
         n, start = pos % r, pos - pos % r
@@ -170,12 +167,12 @@ class Attention:
         self.indexer = (Compressor(w, p + "indexer.compressor.", 4, cfg.index_head_dim, model)
                         if self.ratio == 4 else None)
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd], q's low-rank qr, cos/sin."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-        cos, sin = self.rope(pos.expand(B, S))
+        cos, sin = ctx.rope(self.rope, pos, B, S)
         qr = ops.rms_norm(ops.linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
         q = ops.rms_norm(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps)
         q = ops.rope(q, cos, sin)
@@ -207,7 +204,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """A chunk of S tokens at host-known positions (prefill, or decode from a growing `Cache`)."""
         B, S, _ = x.shape
-        q, kv, qr, cos, sin = self._project(x, pos)
+        q, kv, qr, cos, sin = self._project(x, pos, ctx)
         keys = kv if lc.window is None else torch.cat([lc.window, kv], 1)
         win = self.m.cfg.sliding_window
         lc.window = keys[:, max(0, keys.shape[1] - (win - 1)):]  # the newest win - 1 rows (none for win 1)
@@ -225,7 +222,7 @@ class Attention:
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync."""
         B = x.shape[0]
-        q, kv, qr, cos, sin = self._project(x, pos)
+        q, kv, qr, cos, sin = self._project(x, pos, ctx)
         win = self.m.cfg.sliding_window
         sl.window.index_copy_(1, pos % win, kv)
         sl.window_pos.index_copy_(0, pos % win, pos)
@@ -233,8 +230,8 @@ class Attention:
         mask = ((kp <= pos) & (kp > pos - win)).expand(B, 1, win)
         keys = sl.window
         if self.ratio:
-            entries = self.compressor.decode(x, sl.compressor, pos)
-            ikeys = self.indexer.decode(x, sl.indexer, pos) if self.indexer is not None else None
+            entries = self.compressor.decode(x, sl.compressor, pos, ctx)
+            ikeys = self.indexer.decode(x, sl.indexer, pos, ctx) if self.indexer is not None else None
             cmask = self._compressed(x, qr, entries, ikeys, pos, ctx)
             keys, mask = torch.cat([keys, entries], 1), torch.cat([mask, cmask], -1)
         return self._output(q, keys, mask, cos, sin)
@@ -265,7 +262,7 @@ class Attention:
             return torch.full((B, S, 0), -1, dtype=torch.long, device=x.device)
         if forced is not None and not ctx.recording:
             return forced
-        cos, sin = m.rope_c(pos.expand(B, S))
+        cos, sin = ctx.rope(m.rope_c, pos, B, S)
         q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
         q = ops.rope(q, cos, sin)
         hw = ops.linear(x.to(_acc(x.dtype)), w[p + "weights_proj.weight"]) * cfg.index_n_heads**-0.5
@@ -324,6 +321,7 @@ class _Ctx:
         self.start = 0  # absolute position of the chunk's first token (set by Model.step)
         self.selections: dict[tuple[int, str], Selection] = {}
         self.taps_wanted, self.taps = set(taps), {}
+        self._ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def recording(self) -> bool:
@@ -340,6 +338,16 @@ class _Ctx:
     def tap(self, name: str, h: torch.Tensor) -> None:
         if name in self.taps_wanted:
             self.taps[name] = h
+
+    def rope(self, rope: _Rope, pos: torch.Tensor, batch: int, tokens: int,
+             key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of `rope` at `pos` ([B, S] after expand), computed once per call (4 launches each): the
+        chunk's positions, or under `key` other positions that are fixed within a call (a decode step's
+        compressed-entry position per ratio)."""
+        k = (id(rope), key)
+        if k not in self._ropes:
+            self._ropes[k] = rope(pos.expand(batch, tokens))
+        return self._ropes[k]
 
 
 class Model:

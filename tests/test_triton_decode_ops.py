@@ -74,3 +74,49 @@ def test_hc_post(n, rows, d):
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
     got = tri.hc_post(out, h, post, comb)
     assert rel(got, ref.hc_post(out.double(), h.double(), post.double(), comb.double())) <= 1e-5
+
+
+def test_moe_one_token_with_a_repeated_expert():
+    """Decode's one-token path builds its block tables without sorting: a hash layer may route a token to
+    the same expert twice, and each pair must still be computed and weighted on its own."""
+    g = torch.Generator().manual_seed(21)
+    e, d, inter = 6, 64, 32
+    w1, w3 = (QWeight(torch.randint(-128, 128, (e, inter, d // 2), generator=g, dtype=torch.int32).to(torch.int8),
+                      torch.randint(118, 128, (e, inter, d // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+                      .view(torch.float8_e8m0fnu), "mxfp4") for _ in range(2))
+    w2 = QWeight(torch.randint(-128, 128, (e, d, inter // 2), generator=g, dtype=torch.int32).to(torch.int8),
+                 torch.randint(118, 128, (e, d, inter // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+                 .view(torch.float8_e8m0fnu), "mxfp4")
+    x = torch.randn(1, d, generator=g)
+    idx, wts = torch.tensor([[3, 3, 0, 5]]), torch.rand(1, 4, generator=g)
+    got = tri.moe_experts(x, w1, w3, w2, idx, wts, 7.0)
+    assert rel(got, ref.moe_experts(x.double(), w1, w3, w2, idx, wts.double(), 7.0)) <= 1e-5
+
+
+@pytest.mark.parametrize("ratio, overlap, d, half", [(4, True, 40, 8), (128, False, 24, 4), (4, True, 130, 16)])
+@pytest.mark.parametrize("pos", [0, 3, 5, 130, 517])  # first window, a window's last token, wrapped rings
+@pytest.mark.parametrize("entry_dtype", [torch.float32, torch.float16])
+def test_compress_step(ratio, overlap, d, half, pos, entry_dtype):
+    """One decode token through a compressor's fixed buffers: the ring row written (gate + position bias)
+    and the entry slot of its window (pooled, normed, rotated) match the reference; nothing else moves."""
+    g = torch.Generator().manual_seed(ratio + d + pos)
+    b, c = 2, (2 * d if overlap else d)
+    ring = 2 * ratio if overlap else ratio
+    kv, gate = torch.randn(b, 1, c, generator=g), torch.randn(b, 1, c, generator=g)
+    rkv, rg = torch.randn(b, ring, c, generator=g), torch.randn(b, ring, c, generator=g)
+    rg[:, :2] = float("-inf")  # slots never written yet (first windows)
+    ent = torch.randn(b, pos // ratio + 3, d, generator=g).to(entry_dtype)
+    ape, norm = torch.randn(ratio, c, generator=g), torch.rand(d, generator=g) + 0.5
+    ang = torch.rand(b, 1, half, dtype=torch.float64, generator=g) * 50
+    p = torch.tensor([pos])
+    want = [t.clone() for t in (rkv, rg, ent)]
+    ref.compress_step(kv, gate, *want, ape, norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
+    got = [t.clone() for t in (rkv, rg, ent)]
+    tri.compress_step(kv, gate, *got, ape, norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # the ring write is a copy
+    w = pos // ratio
+    others = torch.ones(ent.shape[1], dtype=torch.bool)
+    others[w] = False
+    assert torch.equal(got[2][:, others], ent[:, others])
+    tol = 1e-5 if entry_dtype == torch.float32 else 2e-3  # fp16: the norm output is rounded before RoPE
+    assert rel(got[2][:, w], want[2][:, w]) <= tol

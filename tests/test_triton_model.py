@@ -1,5 +1,6 @@
 """The whole model on the triton backend (Triton's interpreter on the CPU) against the reference backend,
-on the engine tests' tiny configs (every layer type; HCA's ratio 128 reached with 140 tokens).
+on the engine tests' tiny configs (every layer type; HCA's ratio 128 reached with 140 tokens): the prefill,
+and greedy decode steps through the static cache (the step a CUDA graph captures on a GPU).
 
 Tolerance (the kernels issue's done-when): float32 activations within 1e-5 relative per position of the
 float64 reference, as the float32 reference itself is (tests/test_vs_transformers.py measured 2.4e-6);
@@ -35,3 +36,17 @@ def test_triton_backend_matches_reference(tmp_path, name):
     mixed = cdna2_engine.load_model(path, dtype=torch.float32, backend="triton", reference_ops=["attention"])
     assert mixed.ops.attention.__module__.endswith("reference")
     assert ((mixed.forward(ids).double() - truth).norm(dim=-1) / truth.norm(dim=-1)).median() <= 1e-5
+
+
+def test_triton_decode_steps_match_reference(tmp_path):
+    """Decode over the StaticCache on the triton backend (compress_step, the one-token MoE tables, the
+    dense GEMV, hc_pre/hc_post at one row) against the float64 reference: a prompt that leaves CSA and HCA
+    windows open, then steps across a CSA window close and an HCA close at position 128."""
+    cfg = make_config("mixed")
+    path = make_checkpoint(tmp_path, cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (1, 122), generator=torch.Generator().manual_seed(6))
+    truth = cdna2_engine.load_model(path, dtype=torch.float64).generate(ids, 10)
+    got = cdna2_engine.load_model(path, dtype=torch.float32, backend="triton").generate(ids, 10)
+    assert torch.equal(got.tokens, truth.tokens)
+    rel = (got.logits.double() - truth.logits).norm(dim=-1) / truth.logits.norm(dim=-1)
+    assert rel.max() <= 1e-5, f"worst {rel.max():.2e}"

@@ -19,6 +19,7 @@ OP_NAMES = (
     "rms_norm",
     "hc_pre",
     "hc_post",
+    "compress_step",
     "rope",
     "attention",
     "index_scores",

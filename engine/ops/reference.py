@@ -146,6 +146,33 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     return (post.unsqueeze(-1) * out.to(acc).unsqueeze(-2) + comb.transpose(-1, -2) @ h.to(acc)).to(h.dtype)
 
 
+def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                  entries: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, ratio: int, eps: float) -> None:
+    """One decode token through a compressor's fixed buffers (cache.StaticCompressor), in place: its row
+    kv/gate [B, 1, c] goes into ring slot pos % ring (the gate plus the position bias ape[pos % ratio]),
+    then its window is pooled (closed or not) into entry slot pos // ratio: a per-channel softmax over
+    the window's slots (CSA, ring = 2 * ratio: the previous window's Ca half, channels :d, and this
+    window's Cb half, channels d:), RMSNorm, RoPE with cos/sin [B, 1, rd/2] of the window's first
+    position. `pos` is a [1] device tensor: no host sync, so a CUDA graph can hold it."""
+    acc = ring_kv.dtype
+    ring, d, r = ring_kv.shape[1], entries.shape[-1], ratio
+    ring_kv.index_copy_(1, pos % ring, kv.to(acc))
+    ring_gate.index_copy_(1, pos % ring, gate.to(acc) + ape.to(acc).index_select(0, pos % r))
+    w = pos // r
+    slots = torch.arange(r, device=kv.device)
+    cur = (w % (ring // r)) * r + slots
+    if ring == 2 * r:
+        prev = ((w + 1) % 2) * r + slots
+        kvs = torch.cat([ring_kv[:, prev, :d], ring_kv[:, cur, d:]], 1)  # [B, 2r, d]
+        gs = torch.cat([ring_gate[:, prev, :d], ring_gate[:, cur, d:]], 1)
+    else:
+        kvs, gs = ring_kv[:, cur], ring_gate[:, cur]
+    pooled = (kvs * torch.softmax(gs, dim=1)).sum(1, keepdim=True)  # [B, 1, d]
+    pooled = rms_norm(pooled.to(entries.dtype), norm, eps)
+    entries.index_copy_(1, w, rope(pooled.unsqueeze(2), cos, sin).squeeze(2))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     if limit and limit > 0:

@@ -260,12 +260,20 @@ def _topk_of(plan: tuple) -> int:
     return plan[-1]
 
 
+@functools.cache
+def _one_token_tables(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair token = 0, pair id = j, j + 1) for one token's k pairs; made once, read-only."""
+    ids = torch.arange(k, dtype=torch.int32, device=device)
+    return torch.zeros_like(ids), ids, ids + 1
+
+
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    if t == 1 and MOE_STREAM["on"]:
-        bm = 1
-    elif MOE["DOT"]:
+    if t == 1 and MOE_STREAM["on"]:  # one token: block j is pair j (no sort needed; repeats are fine)
+        zero, pairs, ends = _one_token_tables(topk, idx.device)
+        return (1, zero, pairs, idx.reshape(-1).to(torch.int32), pairs, ends, topk)
+    if MOE["DOT"]:
         bm = 16 if t * topk <= 16 * n_experts else 64
     else:
         bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
@@ -358,21 +366,49 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
+DENSE_MIN_PROGRAMS = 264  # two per H200 SM: split K below this many row blocks
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the head at 1.00 of copy
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in x.dtype."""
+    """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in x.dtype;
+    split along K (partials added in split order) when W has too few rows to fill the GPU."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m, n = x2.shape[0], w.data.shape[0]
     wd = w.data.contiguous()
-    y = _empty(m, n, dtype=x.dtype, device=x.device)
     bm = _pow2(m, 1)
-    bn, bk = DENSE_GEMV["BLOCK_N"], DENSE_GEMV["BLOCK_K"] // bm
-    _Launch(x)("dense_gemv_kernel", (triton_cdiv(n, bn),), x2, wd, y, m, n, k, x2.stride(0), wd.stride(0),
-               y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(bk, 32), num_warps=DENSE_GEMV["num_warps"])
+    bn, bk = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm)
+    launch = _Launch(x)
+    blocks = triton_cdiv(n, bn)
+    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_MIN_PROGRAMS // blocks))
+    chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
+    split = triton_cdiv(k, chunk)
+    y = _empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    launch("dense_gemv_kernel", (blocks, split), x2, wd, y, m, n, k, chunk, x2.stride(0), wd.stride(0),
+           y.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=DENSE_GEMV["num_warps"])
+    y = y[0] if split == 1 else y.sum(0).to(x.dtype)
     return y.reshape(*lead, n)
+
+
+def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                  entries: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, ratio: int, eps: float) -> None:
+    """One decode token through a compressor's fixed buffers (as reference.compress_step): two launches,
+    the ring write + window pooling over (batch, channel blocks), then norm + RoPE per batch row."""
+    if _use_reference(entries, ring_kv) or ring_kv.dtype != torch.float32:
+        return _ref.compress_step(kv, gate, ring_kv, ring_gate, entries, ape, norm, cos, sin, pos, ratio, eps)
+    b, ring, c = ring_kv.shape
+    d, half = entries.shape[-1], cos.shape[-1]
+    kv2, g2 = kv.reshape(b, c).float().contiguous(), gate.reshape(b, c).float().contiguous()
+    bc = 64 if ring > 16 else 128
+    launch = _Launch(entries)
+    launch("compress_pool_kernel", (b, triton_cdiv(d, bc)), kv2, g2, ring_kv, ring_gate, ape.float().contiguous(),
+           entries, pos, c, d, kv2.stride(0), ring_kv.stride(0), ring_kv.stride(1), entries.stride(0),
+           entries.stride(1), R=ratio, RING=ring, NSLOT=_pow2(ring, 2), BLOCK_C=bc, num_warps=4)
+    launch("compress_finish_kernel", (b,), entries, norm.contiguous(), cos.reshape(b, half).float().contiguous(),
+           sin.reshape(b, half).float().contiguous(), pos, d, half, float(eps), entries.stride(0), entries.stride(1),
+           R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
 HC_SPLIT_PROGRAMS = 256  # split the mix's K until rows x splits reaches this (decode: 1 row, fn 1.5 MB)
@@ -513,5 +549,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "rope", "attention", "index_scores",
-           "moe_experts", "moe_blocks"]
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "compress_step", "rope", "attention",
+           "index_scores", "moe_experts", "moe_blocks"]

@@ -722,27 +722,94 @@ def index_scores_kernel(
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, K_CHUNK, stride_xm, stride_wn, stride_ym, stride_ys,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
     stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
-    only the summation order differs). The reference would first write a float32 copy of W."""
+    only the summation order differs). The reference would first write a float32 copy of W.
+    Program (n, s) covers K from s * K_CHUNK and writes y + s * stride_ys: narrow W (the router's 256 rows)
+    is split along K so it still spreads over the SMs; the host adds the splits in order."""
     pid = tl.program_id(0)
+    k_base = tl.program_id(1) * K_CHUNK
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K_CHUNK, BLOCK_K):
+        rk = k_base + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         w = tl.load(w_row + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
+    y_base = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys
+    tl.store(y_base + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def compress_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rg_ptr, ape_ptr, ent_ptr, pos_ptr, C, D,
+                         stride_kb, stride_rb, stride_rs, stride_eb, stride_es,
+                         R: tl.constexpr, RING: tl.constexpr, NSLOT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """compress_step, part 1, program (b, channel block): write this token's row into ring slot pos % RING
+    (gate + ape[pos % R]) for the channels this program pools, then pool its window per channel by a
+    softmax over the slots (RING = 2R: slots of the previous window at channels [0, D) = Ca, of this
+    window at [D, 2D) = Cb), into entry slot pos // R in the entries' dtype."""
+    b = tl.program_id(0).to(tl.int64)
+    rd = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    d_ok = rd < D
+    p = tl.load(pos_ptr)
+    slot, j, w = p % RING, p % R, p // R
+    for half in tl.static_range(RING // R):  # the channel ranges this program owns: [rd] and, for CSA, [D + rd]
+        ch = rd + half * D
+        g = tl.load(gate_ptr + b * stride_kb + ch, mask=d_ok) + tl.load(ape_ptr + j * C + ch, mask=d_ok)
+        tl.store(rkv_ptr + b * stride_rb + slot * stride_rs + ch, tl.load(kv_ptr + b * stride_kb + ch, mask=d_ok),
+                 mask=d_ok)
+        tl.store(rg_ptr + b * stride_rb + slot * stride_rs + ch, g, mask=d_ok)
+    tl.debug_barrier()  # the loads below read the slot just written (same program, other threads)
+    s = tl.arange(0, NSLOT)
+    if RING == 2 * R:
+        rslot = tl.where(s < R, ((w + 1) % 2) * R + s, (w % 2) * R + s - R)
+        choff = tl.where(s < R, 0, D)
+    else:
+        rslot = s
+        choff = s * 0
+    s_ok = s < RING
+    off = b * stride_rb + rslot[:, None] * stride_rs + choff[:, None] + rd[None, :]
+    m = s_ok[:, None] & d_ok[None, :]
+    kv = tl.load(rkv_ptr + off, mask=m, other=0.0)
+    g = tl.load(rg_ptr + off, mask=m, other=float("-inf"))
+    g = tl.where(d_ok[None, :], g, 0.0)  # columns past D: finite, never stored
+    e = tl.exp(g - tl.max(g, axis=0)[None, :])
+    pooled = tl.sum(kv * e, axis=0) / tl.sum(e, axis=0)
+    tl.store(ent_ptr + b * stride_eb + w * stride_es + rd, pooled.to(ent_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def compress_finish_kernel(ent_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, D, HALF, EPS, stride_eb, stride_es,
+                           R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """compress_step, part 2, one program per batch row: RMSNorm (fp32 statistics) of entry pos // R, rounded
+    to the entries' dtype as the reference's norm output is, then RoPE of its last 2 * HALF dims."""
+    b = tl.program_id(0).to(tl.int64)
+    row = ent_ptr + b * stride_eb + (tl.load(pos_ptr) // R) * stride_es
+    rd = tl.arange(0, BLOCK_D)
+    ok = rd < D
+    x = tl.load(row + rd, mask=ok, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, axis=0) / D + EPS) * tl.load(norm_ptr + rd, mask=ok, other=0.0).to(tl.float32)
+    tl.store(row + rd, y.to(ent_ptr.dtype.element_ty), mask=ok)
+    tl.debug_barrier()
+    t = tl.arange(0, BLOCK_R)
+    t_ok = t < HALF
+    even = row + D - 2 * HALF + 2 * t
+    c = tl.load(cos_ptr + b * HALF + t, mask=t_ok, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + b * HALF + t, mask=t_ok, other=0.0).to(tl.float32)
+    x0 = tl.load(even, mask=t_ok, other=0.0).to(tl.float32)
+    x1 = tl.load(even + 1, mask=t_ok, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    tl.store(even, (x0 * c - x1 * sn).to(ent_ptr.dtype.element_ty), mask=t_ok)
+    tl.store(even + 1, (x0 * sn + x1 * c).to(ent_ptr.dtype.element_ty), mask=t_ok)
 
 
 @triton.jit
@@ -915,8 +982,19 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
     ("dense_gemv", dense_gemv_kernel,
-     _sig("x_ptr w_ptr y_ptr M N K stride_xm stride_wn stride_ym", "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32",
-          BLOCK_M=1, BLOCK_N=16, BLOCK_K=256), 4, False),
+     _sig("x_ptr w_ptr y_ptr M N K K_CHUNK stride_xm stride_wn stride_ym stride_ys",
+          "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 2, False),
+    ("compress_pool", compress_pool_kernel,
+     _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
+          "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
+          R=128, RING=128, NSLOT=128, BLOCK_C=64), 4, False),
+    ("compress_pool_csa", compress_pool_kernel,
+     _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
+          "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
+          R=4, RING=8, NSLOT=8, BLOCK_C=64), 4, False),
+    ("compress_finish", compress_finish_kernel,
+     _sig("ent_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es",
+          "*bf16 *bf16 *fp32 *fp32 *i64 i32 i32 fp32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p", "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32",
           PW=25, MIXP=32, BLOCK_K=128), 4, False),
