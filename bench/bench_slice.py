@@ -3,7 +3,7 @@ sliding), random weights in the official packed format, against transformers' De
 bf16 eager on the same shapes, and against the byte floor (the bytes one decode step must read: every
 attention/compressor/indexer weight, the shared expert, the 6 routed experts a token picks, the head).
 
-    python bench/bench_slice.py            # on a GPU; writes $OUT/slice.json when OUT is set
+    python bench/bench_slice.py            # on a GPU; writes --out (and $OUT/slice.json when OUT is set)
     python bench/bench_slice.py --small    # CPU smoke test at tiny sizes (numbers mean nothing)
 
 Timing: CUDA events around each decode step after a 64-token prefill, median over the steps; the engine's
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of two decode steps")
+    ap.add_argument("--out", help="write the results JSON here too")
     a = ap.parse_args()
     device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
     cfg = Config(**(SMALL if a.small else FLASH))
@@ -159,6 +160,9 @@ def main() -> None:
         res["hf_slice_decode_ms_per_token"] = hf_decode_ms(cfg, device, ids, a.steps)
         res["speedup_vs_hf"] = res["hf_slice_decode_ms_per_token"] / res["slice_decode_ms_per_token"]
     print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "slice.json"), "w") as f:
             json.dump(res, f, indent=1)

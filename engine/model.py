@@ -68,6 +68,20 @@ class _Rope:
         return ang.cos(), ang.sin()
 
 
+def _join_rows(w: dict, a: str, b: str) -> QWeight | None:
+    """Two linears that read the same input as one weight (one launch, one longer stream): rows of `a` then
+    `b`, stored as "<a>+<b's leaf>" in place of both. FP8 joins only on a 128-row scale-block boundary;
+    other pairs stay apart (None)."""
+    wa, wb = w[a], w[b]
+    if wa.kind != wb.kind or wa.kind not in ("dense", "fp8") or (wa.kind == "fp8" and wa.data.shape[0] % 128):
+        return None
+    scale = None if wa.scale is None else torch.cat([wa.scale, wb.scale])
+    joined = QWeight(torch.cat([wa.data, wb.data]), scale, wa.kind)
+    del w[a], w[b]
+    w[a.rsplit(".", 1)[0] + "+" + b.rsplit(".", 2)[-2]] = joined
+    return joined
+
+
 class Compressor:
     """Softmax-gated pooling of `ratio` tokens into one entry (HCA: disjoint windows; CSA, ratio 4: each
     entry pools the previous window's Ca half with this window's Cb half, 2*ratio slots), then RMSNorm
@@ -75,10 +89,7 @@ class Compressor:
 
     def __init__(self, w: dict, prefix: str, ratio: int, dim: int, model: Model):
         wkv, wgate = w[prefix + "wkv.weight"], w[prefix + "wgate.weight"]
-        if wkv.kind == wgate.kind == "dense":  # one stream of both (one launch); stored under a derived name
-            w[prefix + "wkv+wgate.weight"] = QWeight(torch.cat([w.pop(prefix + "wkv.weight").data,
-                                                                w.pop(prefix + "wgate.weight").data]), None, "dense")
-        self.w_both = w.get(prefix + "wkv+wgate.weight")
+        self.w_both = _join_rows(w, prefix + "wkv.weight", prefix + "wgate.weight")
         self.wkv, self.wgate = (None, None) if self.w_both is not None else (wkv, wgate)
         self.c = wkv.shape[0]  # kv (and gate) channels
         self.ape, self.norm = w[prefix + "ape"], w[prefix + "norm.weight"]
@@ -282,6 +293,8 @@ class MoE:
         p, cfg = f"layers.{i}.ffn.", model.cfg
         self.m, self.i, self.p, self.w = model, i, p, w
         self.hash = cfg.is_hash_layer(i)
+        self.inter = w[p + "shared_experts.w1.weight"].shape[0]
+        self.w13 = _join_rows(w, p + "shared_experts.w1.weight", p + "shared_experts.w3.weight")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: _Ctx | None = None) -> torch.Tensor:
         m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p, self.m.ops
@@ -307,8 +320,10 @@ class MoE:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         e = m.experts[self.i]
         routed = ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit)
-        g = ops.linear(x2, w[p + "shared_experts.w1.weight"])
-        u = ops.linear(x2, w[p + "shared_experts.w3.weight"])
+        if self.w13 is not None:
+            g, u = ops.linear(x2, self.w13).split(self.inter, -1)
+        else:
+            g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
         shared = ops.linear(swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
         return (routed + shared).view(B, S, D)
 

@@ -120,3 +120,17 @@ def test_compress_step(ratio, overlap, d, half, pos, entry_dtype):
     assert torch.equal(got[2][:, others], ent[:, others])
     tol = 1e-5 if entry_dtype == torch.float32 else 2e-3  # fp16: the norm output is rounded before RoPE
     assert rel(got[2][:, w], want[2][:, w]) <= tol
+
+
+@pytest.mark.parametrize("w, k", [(256, 6), (37, 5), (8, 8), (300, 16)])
+def test_topk_kernel_matches_the_stable_sort(w, k):
+    """Router-sized top-k: ties (many, on purpose), -inf entries and a row with nothing competing after
+    the k-th must give the reference's indices in its order and its margins."""
+    g = torch.Generator().manual_seed(w + k)
+    s = torch.randint(0, 6, (5, w), generator=g).float() / 4  # heavy ties
+    s[1, ::3] = float("-inf")
+    s[2] = float("-inf")  # all equal: the k lowest indices
+    got_i, got_m = tri.topk(s, k)
+    want_i, want_m = ref.topk(s, k)
+    assert torch.equal(got_i, want_i)
+    assert torch.equal(torch.nan_to_num(got_m, nan=-1.0), torch.nan_to_num(want_m, nan=-1.0))

@@ -5,9 +5,8 @@ compiled kernels; CPU tensors run the same kernel source in Triton's interpreter
 `kernels.py` decorated with TRITON_INTERPRET=1, so one process can hold both: the interpreter decides
 at decoration time, and the ISA tier needs the compiled copy). The interpreter cannot run bf16
 tensors (DESIGN.md section 7), so on the CPU bf16 inputs go to the reference op, as does float64
-(the kernels accumulate in fp32). `topk` is not defined here: the backend takes the reference's stable
-sort (one device sort; ties to the lower index are its contract, and a hand kernel does not pay at
-256 experts or the indexer's widths), see bench/NOTES.md.
+(the kernels accumulate in fp32). `topk` has a kernel for the router's small k (a device sort of 256
+values took 21 us on the H200); the indexer's top-512 stays the reference's stable sort.
 """
 
 from __future__ import annotations
@@ -107,12 +106,15 @@ def _use_reference(*ts: torch.Tensor) -> bool:
     return False
 
 
-POISON = False  # tests set this: every buffer a kernel writes starts as NaN, so an unwritten element shows
+POISON = False  # tests set this: every buffer a kernel writes starts as NaN (integers: their minimum), so an
+# unwritten element shows
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(*shape, dtype=dtype, device=device)
-    return out.fill_(float("nan")) if POISON else out
+    if not POISON:
+        return out
+    return out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(dtype).min)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -411,6 +413,25 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, r
            R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
+TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # the router (6 of 256); the indexer's top-512 stays a device sort
+
+
+def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim with ties to the lower index, and the k-th minus (k+1)-th margin (as
+    reference.topk); one program per row for small k and widths, else the reference's stable sort."""
+    w = scores.shape[-1]
+    if k > TOPK_MAX_K or w > TOPK_MAX_WIDTH or k > w or scores.dtype != torch.float32 or not scores.numel() \
+            or _use_reference(scores):
+        return _ref.topk(scores, k)
+    lead = scores.shape[:-1]
+    s2 = scores.reshape(-1, w).contiguous()
+    idx = _empty(s2.shape[0], k, dtype=torch.int64, device=scores.device)
+    margin = _empty(s2.shape[0], dtype=torch.float32, device=scores.device)
+    _Launch(scores)("topk_kernel", (s2.shape[0],), s2, idx, margin, w, s2.stride(0), K=k, HAS_NEXT=w > k,
+                    BLOCK_W=_pow2(w), num_warps=4)
+    return idx.reshape(*lead, k), margin.reshape(lead)
+
+
 HC_SPLIT_PROGRAMS = 256  # split the mix's K until rows x splits reaches this (decode: 1 row, fn 1.5 MB)
 
 
@@ -438,7 +459,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     x = _empty(rows, d, dtype=h.dtype, device=h.device)
     launch("hc_pre_kernel", (rows,), part, h2, base.float().contiguous(), scale.float().contiguous(), post, comb, x,
            n, d, split, iters, float(norm_eps), float(hc_eps), part.stride(0), h2.stride(0), x.stride(0),
-           PW=pw, NP=_pow2(n, 2), BLOCK_D=min(1024, _pow2(d)), num_warps=4)
+           PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=min(1024, _pow2(d)), num_warps=4)
     return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
 
 
@@ -549,5 +570,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "compress_step", "rope", "attention",
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "compress_step", "rope", "attention", "topk",
            "index_scores", "moe_experts", "moe_blocks"]

@@ -813,6 +813,31 @@ def compress_finish_kernel(ent_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, D, HALF
 
 
 @triton.jit
+def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
+                K: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Top-K of one row (the router's 256 experts) in K passes of "largest value, then lowest index among
+    equals" (ties never by memory order; NaN ranks first, as in a descending sort), and the margin K-th
+    minus (K+1)-th value (inf without a (K+1)-th). One launch instead of a device sort and its slicing."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < W
+    v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=0.0).to(tl.float32)
+    v = tl.where(v != v, float("inf"), v)
+    free = ok
+    kth = 0.0
+    for t in tl.static_range(K):
+        kth = tl.max(tl.where(free, v, float("-inf")), axis=0)
+        i = tl.min(tl.where(free & (v == kth), w, BLOCK_W), axis=0)
+        tl.store(idx_ptr + row * K + t, i.to(tl.int64))
+        free = free & (w != i)
+    if HAS_NEXT:
+        margin = kth - tl.max(tl.where(free, v, float("-inf")), axis=0)
+    else:
+        margin = float("inf")
+    tl.store(margin_ptr + row, margin)
+
+
+@triton.jit
 def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p,
                           PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams with every fn row over
@@ -840,7 +865,7 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stri
 @triton.jit
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
                   N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x,
-                  PW: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+                  PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row per program, fp32: the mix (splits summed in order, times the streams' inverse RMS), then
     pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax and ITERS alternating column/row
     normalizations (Sinkhorn), then the collapsed block input sum_k pre_k h_k in h's dtype."""
@@ -849,16 +874,14 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     ok = i < N
     ok2 = ok[:, None] & ok[None, :]
     ij = i[:, None] * N + i[None, :]
-    m_pre = tl.zeros([NP], dtype=tl.float32)
-    m_post = tl.zeros([NP], dtype=tl.float32)
-    m_comb = tl.zeros([NP, NP], dtype=tl.float32)
-    ss = 0.0
-    for sp in range(SPLIT):
-        part = part_ptr + row * stride_p + sp * PW
-        m_pre += tl.load(part + i, mask=ok, other=0.0)
-        m_post += tl.load(part + N + i, mask=ok, other=0.0)
-        m_comb += tl.load(part + 2 * N + ij, mask=ok2, other=0.0)
-        ss += tl.load(part + PW - 1)
+    sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
+    sp_ok = sp < SPLIT
+    part = part_ptr + row * stride_p + sp * PW
+    m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
+    m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
+    m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
+                            mask=sp_ok[:, None, None] & ok2[None, :, :], other=0.0), axis=0)
+    ss = tl.sum(tl.load(part + PW - 1, mask=sp_ok, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
     s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
     pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
@@ -995,13 +1018,15 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("compress_finish", compress_finish_kernel,
      _sig("ent_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es",
           "*bf16 *bf16 *fp32 *fp32 *i64 i32 i32 fp32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
+    ("topk", topk_kernel, _sig("s_ptr idx_ptr margin_ptr W stride_s", "*fp32 *i64 *fp32 i32 i32", K=6, HAS_NEXT=True,
+                               BLOCK_W=256), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p", "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32",
           PW=25, MIXP=32, BLOCK_K=128), 4, False),
     ("hc_pre", hc_pre_kernel,
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
-          PW=25, NP=4, BLOCK_D=1024), 4, False),
+          PW=25, NP=4, SPLITP=128, BLOCK_D=1024), 4, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr N D stride_o stride_h stride_y",
           "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=1024), 4, False),
