@@ -253,7 +253,7 @@ def moe_decode(model: Model, device: torch.device, copy_tbps: float, inputs: int
     nbytes = 0
     for i in layers:
         p = f"layers.{i}.ffn."
-        nbytes += sum(model.w[p + f"shared_experts.{n}.weight"].nbytes() for n in ("w1", "w2", "w3"))
+        nbytes += sum(q.nbytes() for k, q in model.w.items() if k.startswith(p + "shared_experts."))
         nbytes += model.w[p + "gate.weight"].nbytes() if not cfg.is_hash_layer(i) else 0
         per_expert = sum(q.nbytes() for q in model.experts[i].values()) // cfg.n_routed_experts
         nbytes += cfg.num_experts_per_tok * per_expert + 2 * D  # 6 distinct experts (distinct ids), x

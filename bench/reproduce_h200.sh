@@ -3,10 +3,11 @@
 # the kernels (checked against float64 first, then a tile sweep, bench_kernels.py), then the flash slice
 # (graph decode checked against eager decode and the backend against the reference first, bench_slice.py),
 # merged into one file. Copies land in $OUT when it is set (the device tool's output folder).
+# --slice-only reruns the slice and merges it into the kernels' existing h200.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-python3 bench/bench_kernels.py --sweep --out bench/results
+[ "${1:-}" = "--slice-only" ] || python3 bench/bench_kernels.py --sweep --out bench/results
 python3 bench/bench_slice.py --steps 16 --profile --out bench/results/h200_slice.json
 python3 - <<'PY'
 import json

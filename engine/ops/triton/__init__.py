@@ -166,9 +166,20 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < FP8_MIN_PROGRAMS:
             bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
-        launch("fp8_stream_kernel", (triton_cdiv(r, bn), m, g), *args, BLOCK_N=bn, BLOCK_K=bk,
+        step = bk * c["UNROLL"]
+        programs = triton_cdiv(r, bn) * m * g
+        split = max(1, min(triton_cdiv(k, step), triton_cdiv(FP8_MIN_PROGRAMS, programs)))
+        if launch.cpu:
+            split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
+        chunk = triton_cdiv(triton_cdiv(k, split), step) * step
+        split = triton_cdiv(k, chunk)
+        out = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
+        args = (*args[:3], out, *args[4:11], out.stride(-3), out.stride(-2), chunk, out.stride(0))
+        launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, BLOCK_N=bn, BLOCK_K=bk,
                HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform, UNROLL=c["UNROLL"],
-               num_warps=c["num_warps"])
+               SPLIT=split, num_warps=c["num_warps"])
+        if split > 1:
+            y = out.sum(0).to(x.dtype)  # the splits in order: deterministic
     elif m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep every form covered
         bm = _pow2(m, 1)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV

@@ -148,9 +148,9 @@ def _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0, K, r_ok,
 def fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, R, K,
-    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
+    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, stride_ys,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -160,9 +160,12 @@ def fp8_stream_kernel(
     set by the host) loads one scale per 128 columns; otherwise a per-(row, column) scale is applied.
     HW (sm_90): E4M3 -> fp32 by the hardware conversion (cvt.rn.f16x2.e4m3x2); else the exact bit decode
     (gfx90a has no FP8 hardware). UNROLL = 2: two tiles per iteration, both loads issued before either is used.
+    SPLIT > 1 (narrow W: too few row tiles to fill the GPU): program (n, m * SPLIT + s, g) covers K from
+    s * K_CHUNK and writes its fp32 partial at y + s * stride_ys; the host adds the splits in order.
     """
     pid_n = tl.program_id(0)
-    m = tl.program_id(1)
+    m = tl.program_id(1) // SPLIT
+    split = tl.program_id(1) % SPLIT
     g = tl.program_id(2)
     offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = g * R + offs_r
@@ -172,12 +175,14 @@ def fp8_stream_kernel(
     s_tile = s_ptr + ((g * R + pid_n * BLOCK_N) // 128) * stride_sn  # UNIFORM: the tile's scale row
     s_rows = s_ptr + (rows // 128) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K * UNROLL):
+    k_lo = split * K_CHUNK
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
         for u in tl.static_range(UNROLL):
             acc = _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0 + u * BLOCK_K, K, r_ok, BLOCK_K, HW,
                                    UNIFORM)
     y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + m * stride_ym + g * stride_yg + offs_r, y.to(y_ptr.dtype.element_ty), mask=r_ok)
+    y_base = y_ptr + split.to(tl.int64) * stride_ys + m * stride_ym + g * stride_yg
+    tl.store(y_base + offs_r, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -940,6 +945,7 @@ def _sig(names: str, types: str, **const: object) -> tuple[dict[str, str], dict[
 
 _FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym stride_yg",
              "*bf16 *u8 *u8 *bf16 i32 i32 i32 i32 i32 i32 i32 i32 i32")
+_FP8_STREAM_ARGS = (_FP8_ARGS[0] + " K_CHUNK stride_ys", _FP8_ARGS[1] + " i32 i32")
 _MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr I D limit "
            "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
            "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
@@ -957,9 +963,9 @@ _IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh str
 ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_gemv", fp8_gemv_kernel, _sig(*_FP8_ARGS, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128), 4, False),
     ("fp8_stream", fp8_stream_kernel,
-     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2), 4, False),  # gfx90a's decode
-    ("fp8_stream_rows", fp8_stream_kernel,
-     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
+    ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
     ("moe_gate_up", moe_gate_up_kernel,
@@ -1035,5 +1041,5 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above).
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
-     _sig(*_FP8_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
 ]
