@@ -74,3 +74,4 @@ class StaticCache:
     layers: list[StaticLayer]
     pos: torch.Tensor  # [1] int64 on the device: the next token's position
     capacity: int
+    host_pos: int  # the same position counted on the host (read without a sync) to refuse overflow

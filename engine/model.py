@@ -354,6 +354,11 @@ class _Ctx:
         if name in self.taps_wanted:
             self.taps[name] = h
 
+    def begin(self, start: int) -> None:
+        """A new chunk at absolute position `start`: RoPE values of an earlier chunk no longer apply."""
+        self.start = start
+        self._ropes.clear()
+
     def rope(self, rope: _Rope, pos: torch.Tensor, batch: int, tokens: int,
              key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of `rope` at `pos` ([B, S] after expand), computed once per call (4 launches each): the
@@ -445,9 +450,11 @@ class Model:
         self._check_ids(input_ids)
         self._check_taps(taps)
         if graph is None:
-            graph = self.device.type == "cuda" and self.ops.backend == "triton" and not taps
+            graph = self.graph_safe() and not taps
         if graph and taps:
             raise ValueError("generate: taps cannot be recorded inside a CUDA graph; pass graph=False")
+        if graph and self.device.type != "cuda":
+            raise ValueError(f"generate: graph=True needs a CUDA/ROCm device, the model is on {self.device}")
         B, T = input_ids.shape
         toks, logits, tapped = [], [], {t: [] for t in taps}
         ctx = _Ctx(None, False, tuple(taps))
@@ -472,6 +479,12 @@ class Model:
             {t: torch.stack(v, 1) for t, v in tapped.items()},
         )
 
+    def graph_safe(self) -> bool:
+        """Whether a decode step can be captured: a GPU, and every op a triton kernel (reference ops read
+        values back to the host, e.g. the reference MoE's expert list; float64 runs them all)."""
+        return (self.device.type == "cuda" and self.ops.backend == "triton" and not self.ops.reference_ops
+                and self.dtype != torch.float64 and all(q.kind == "mxfp4" for e in self.experts for q in e.values()))
+
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         """Once per public call, not per decode step (the range check syncs with a GPU)."""
         if input_ids.dim() != 2:
@@ -492,7 +505,8 @@ class Model:
         ctx = ctx or _Ctx(None, False, ())
         ids = input_ids.to(self.device)
         pos = torch.arange(cache.pos, cache.pos + ids.shape[1], device=self.device)
-        ctx.start, cache.batch = cache.pos, ids.shape[0]
+        ctx.begin(cache.pos)
+        cache.batch = ids.shape[0]
         out = self._body(ids, ctx, lambda i, x: self.attn[i](x, cache.layers[i], pos, ctx))
         cache.pos += ids.shape[1]
         return out
@@ -505,17 +519,21 @@ class Model:
             raise ValueError("static_cache needs a prefilled cache: run Model.step on the prompt first")
         layers = [a.to_static(c, cache.pos, cache.batch, capacity, self.dtype)
                   for a, c in zip(self.attn, cache.layers, strict=True)]
-        return StaticCache(layers, torch.tensor([cache.pos], device=self.device), capacity)
+        return StaticCache(layers, torch.tensor([cache.pos], device=self.device), capacity, cache.pos)
 
     def decode(self, token: torch.Tensor, sc: StaticCache, ctx: _Ctx | None = None) -> torch.Tensor:
         """One decode step over a `StaticCache`: token [B, 1] -> logits [B, 1, vocab], position read from and
         advanced on the device, every shape fixed: the step `DecodeGraph` captures. Numerically the same
-        as `step` with one token (only the window's summation order differs). Writing past `capacity`
-        tokens corrupts the oldest compressed entry: `generate` sizes the cache."""
+        as `step` with one token (only the window's summation order differs). A step past `capacity`
+        tokens is refused (`generate` sizes the cache)."""
+        if sc.host_pos >= sc.capacity:
+            raise ValueError(f"static cache full: capacity {sc.capacity} tokens; build it with a larger capacity")
         ctx = ctx or _Ctx(None, False, ())
+        ctx.begin(sc.host_pos)
         pos = sc.pos
         out = self._body(token, ctx, lambda i, x: self.attn[i].decode(x, sc.layers[i], pos, ctx))
         sc.pos += 1
+        sc.host_pos += 1
         return out
 
     def _body(self, ids: torch.Tensor, ctx: _Ctx, attend) -> torch.Tensor:
@@ -562,16 +580,22 @@ class DecodeGraph:
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         if self.graph is not None:
+            if self.sc.host_pos >= self.sc.capacity:
+                raise ValueError(f"static cache full: capacity {self.sc.capacity} tokens; build a larger one")
             self.token.copy_(token)
             self.graph.replay()
+            self.sc.host_pos += 1
             return self.out.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             out = self.model.decode(token, self.sc)
         torch.cuda.current_stream().wait_stream(side)
+        if self.sc.host_pos >= self.sc.capacity:
+            return out  # full: nothing left to capture (a further call is refused by decode)
         self.token = token.clone()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self.model.decode(self.token, self.sc)
+        self.sc.host_pos -= 1  # capturing recorded the step without running it
         return out

@@ -123,3 +123,44 @@ def test_cuda_graph_decode_matches_eager_decode(ckpt, backend):
     graphed = model.generate(prompt, 40, graph=True)
     assert torch.equal(graphed.tokens, eager.tokens)
     assert rel(graphed.logits, eager.logits).max() <= 1e-6  # same kernels; only launch order may differ
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_static_decode_with_tiny_windows_and_batch_2(tmp_path, window):
+    cfg = make_config("mixed", sliding_window=window)
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=7), dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(window))
+    assert rel(run_static(model, ids, 3), model.forward(ids)).max() <= 1e-10
+
+
+def test_static_cache_refuses_a_step_past_its_capacity(ckpt):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    cache = model.new_cache()
+    model.step(torch.zeros(1, 6, dtype=torch.long), cache)
+    sc = model.static_cache(cache, 8)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    model.decode(tok, sc)
+    model.decode(tok, sc)
+    with pytest.raises(ValueError, match="static cache full: capacity 8 tokens"):
+        model.decode(tok, sc)
+
+
+def test_graph_is_off_where_it_cannot_run(ckpt):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    assert not model.graph_safe()  # CPU (and float64, and the reference backend)
+    with pytest.raises(ValueError, match="graph=True needs a CUDA/ROCm device"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
+def test_generate_with_a_reference_op_on_a_gpu_runs_without_a_graph(ckpt):
+    """The reference MoE reads its expert list back to the host, which a CUDA graph capture cannot hold:
+    with it switched in, generate must decode eagerly instead of breaking the CUDA context."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float32, device="cuda", backend="triton",
+                                    reference_ops=["moe_experts"])
+    assert not model.graph_safe()
+    gen = model.generate(torch.randint(0, cfg.vocab_size, (1, 9)).cuda(), 4)
+    assert gen.tokens.shape == (1, 4)

@@ -57,7 +57,8 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
     from . import reference
 
     if backend == "reference":
-        return SimpleNamespace(**{n: getattr(reference, n) for n in OP_NAMES}, backend="reference")
+        return SimpleNamespace(**{n: getattr(reference, n) for n in OP_NAMES}, backend="reference",
+                               reference_ops=tuple(OP_NAMES))
     if backend != "triton":
         raise ValueError(f"unknown backend {backend!r}: use 'reference' or 'triton'")
     from . import triton as tri
@@ -69,4 +70,4 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
     if unknown:
         raise ValueError(f"unknown op(s) {unknown} in CDNA2_REFERENCE_OPS: choose from {list(OP_NAMES)}")
     table = {n: getattr(reference if n in reference_ops else tri, n, getattr(reference, n)) for n in OP_NAMES}
-    return SimpleNamespace(**table, backend="triton")
+    return SimpleNamespace(**table, backend="triton", reference_ops=tuple(sorted(reference_ops)))

@@ -179,7 +179,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
                HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform, UNROLL=c["UNROLL"],
                SPLIT=split, num_warps=c["num_warps"])
         if split > 1:
-            y = out.sum(0).to(x.dtype)  # the splits in order: deterministic
+            y = _sum_splits(out, x.dtype)
     elif m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep every form covered
         bm = _pow2(m, 1)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV
@@ -209,6 +209,14 @@ def _hw_fp8(t: torch.Tensor) -> bool:
     if t.device.type != "cuda" or torch.version.hip is not None:
         return False
     return _hw_fp8_on(t.device)
+
+
+def _sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, ...] fp32 split-K partials -> [...] in `dtype`, summed in split order (one launch)."""
+    y = _empty(*part.shape[1:], dtype=dtype, device=part.device)
+    n = y.numel()
+    _Launch(part)("sum_splits_kernel", (triton_cdiv(n, 1024),), part, y, part.shape[0], n, BLOCK=1024, num_warps=4)
+    return y
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -400,7 +408,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     y = _empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     launch("dense_gemv_kernel", (blocks, split), x2, wd, y, m, n, k, chunk, x2.stride(0), wd.stride(0),
            y.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=DENSE_GEMV["num_warps"])
-    y = y[0] if split == 1 else y.sum(0).to(x.dtype)
+    y = y[0] if split == 1 else _sum_splits(y, x.dtype)
     return y.reshape(*lead, n)
 
 
@@ -509,7 +517,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved-pair RoPE on the last 2*cos.shape[-1] dims of x [B, S, H, D]; inverse rotates by -angle."""
-    if _use_reference(x, cos, sin):
+    if _use_reference(x):  # cos/sin arrive in float64 (positions up to 1M): the kernel reads them as they are
         return _ref.rope(x, cos, sin, inverse)
     b, s, h, d = x.shape
     half = cos.shape[-1]

@@ -727,6 +727,18 @@ def index_scores_kernel(
 
 
 @triton.jit
+def sum_splits_kernel(part_ptr, y_ptr, SPLIT, N, BLOCK: tl.constexpr):
+    """y[i] = sum of part[s, i] over the split-K partials s = 0, 1, ... in order (fp32), in y's dtype: one
+    launch for the reduction and the cast, deterministic."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * N + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, K_CHUNK, stride_xm, stride_wn, stride_ym, stride_ys,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
@@ -818,6 +830,17 @@ def compress_finish_kernel(ent_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, D, HALF
 
 
 @triton.jit
+def _top1(v, nan, free, w, BLOCK_W: tl.constexpr):
+    """(value, index) of the first pick among `free`: a NaN first (lowest index), else the largest value,
+    ties to the lowest index (the order of a stable descending sort)."""
+    first_nan = tl.min(tl.where(free & nan, w, BLOCK_W), axis=0)
+    best = tl.max(tl.where(free & ~nan, v, float("-inf")), axis=0)
+    i = tl.min(tl.where(free & ~nan & (v == best), w, BLOCK_W), axis=0)
+    has_nan = first_nan < BLOCK_W
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, i)
+
+
+@triton.jit
 def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
                 K: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
     """Top-K of one row (the router's 256 experts) in K passes of "largest value, then lowest index among
@@ -827,16 +850,15 @@ def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
     w = tl.arange(0, BLOCK_W)
     ok = w < W
     v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=0.0).to(tl.float32)
-    v = tl.where(v != v, float("inf"), v)
+    nan = v != v
     free = ok
     kth = 0.0
     for t in tl.static_range(K):
-        kth = tl.max(tl.where(free, v, float("-inf")), axis=0)
-        i = tl.min(tl.where(free & (v == kth), w, BLOCK_W), axis=0)
+        kth, i = _top1(v, nan, free, w, BLOCK_W)
         tl.store(idx_ptr + row * K + t, i.to(tl.int64))
         free = free & (w != i)
     if HAS_NEXT:
-        margin = kth - tl.max(tl.where(free, v, float("-inf")), axis=0)
+        margin = kth - _top1(v, nan, free, w, BLOCK_W)[0]
     else:
         margin = float("inf")
     tl.store(margin_ptr + row, margin)
@@ -1010,6 +1032,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=512), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
+    ("sum_splits", sum_splits_kernel, _sig("part_ptr y_ptr SPLIT N", "*fp32 *bf16 i32 i32", BLOCK=1024), 4, False),
     ("dense_gemv", dense_gemv_kernel,
      _sig("x_ptr w_ptr y_ptr M N K K_CHUNK stride_xm stride_wn stride_ym stride_ys",
           "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 2, False),
