@@ -30,6 +30,15 @@ def test_every_kernel_compiles_for_both_targets(audits):
     assert not failed, "\n".join(failed)
 
 
+def test_no_kernel_is_left_out_of_the_audit():
+    """A kernel added to kernels.py without an ISA spec would silently skip the gfx90a audit."""
+    from cdna2_engine.ops.triton import kernels as k
+
+    defined = {n for n in dir(k) if n.endswith("_kernel")}
+    audited = {spec[1].fn.__name__ for spec in k.ISA_SPECS + k.ISA_SPECS_SM90}
+    assert defined - audited == set(), f"kernels without an ISA spec: {sorted(defined - audited)}"
+
+
 def test_gfx90a_rules(audits):
     print("\n" + isa.report(audits))
     bad = [f"{a.name}: {v}" for a in audits for v in a.violations()]
