@@ -184,23 +184,12 @@ def correctness(results: dict) -> None:
         idx = torch.stack([torch.randperm(e, device=DEV, generator=GEN)[:TOPK] for _ in range(t)])
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
-        saved, saved_kn, saved_st = dict(tri.MOE), tri.MOE_DOT["KN"], tri.MOE_STREAM["on"]
-        for variant in ("stream", "words", "bytes", "dot", "dot_kn"):
-            if variant == "stream" and t != 1:
-                continue
+        saved_st = tri.MOE_STREAM["on"]
+        for variant in ("stream", "dot") if t == 1 else ("dot",):
             tri.MOE_STREAM["on"] = variant == "stream"
-            tri.MOE.update(WORDS=variant == "words", DOT=variant.startswith("dot"))
-            tri.MOE_DOT["KN"] = tri.MOE_DOT_M1["KN"] = variant == "dot_kn"
             got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
             check(results, f"moe_experts T={t} {variant}", rel(got, want))
-        tri.MOE.update(saved)
-        tri.MOE_DOT["KN"] = tri.MOE_DOT_M1["KN"] = saved_kn
         tri.MOE_STREAM["on"] = saved_st
-    x = torch.randn(1, Q_LORA, device=DEV, dtype=ACT, generator=GEN)
-    saved, saved_m = tri.FP8_GEMV_MAX_M, tri.FP8_STREAM_MAX_M
-    tri.FP8_GEMV_MAX_M, tri.FP8_STREAM_MAX_M = 4, 0
-    check(results, "fp8_linear wq_b M=1 via FMA gemv", rel(tri.linear(x, w), ref.linear(x.double(), w)))
-    tri.FP8_GEMV_MAX_M, tri.FP8_STREAM_MAX_M = saved, saved_m
     x = torch.randn(7, HID, device=DEV, dtype=ACT, generator=GEN)
     g = torch.randn(HID, device=DEV, dtype=ACT, generator=GEN)
     check(results, "rms_norm D=4096", rel(tri.rms_norm(x, g, 1e-6), ref.rms_norm(x.double(), g.double(), 1e-6)))
@@ -233,36 +222,29 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     def cfg_of() -> dict:
         if tri.MOE_STREAM["on"]:
             return {"STREAM": True, **{k: v for k, v in tri.MOE_STREAM.items() if k != "on"}}
-        return {"DOT": True, **tri.MOE_DOT_M1} if tri.MOE["DOT"] else dict(tri.MOE)
+        return {"DOT": True, **tri.MOE_DOT_M1}
 
     def apply(cfg: dict) -> None:
         tri.MOE_STREAM["on"] = bool(cfg.get("STREAM"))
         if cfg.get("STREAM"):  # the one-token dot-free stream (t = 1 only)
             tri.MOE_STREAM.update({k: v for k, v in cfg.items() if k != "STREAM"})
             return
-        tri.MOE["DOT"] = bool(cfg.get("DOT"))
-        if cfg.get("DOT"):
-            c = {k: v for k, v in cfg.items() if k != "DOT"}
-            tri.MOE_DOT.update(c)
-            tri.MOE_DOT_M1.update(c)
-        else:
-            tri.MOE.update(cfg)
+        c = {k: v for k, v in cfg.items() if k != "DOT"}
+        tri.MOE_DOT.update(c)
+        tri.MOE_DOT_M1.update(c)
 
     configs = [cfg_of()]
     if sweep:
-        # K-major two-dot form (KN) against the interleaved tile of run 4; FMA forms were 0.15 at best (run 3)
-        configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st, "FUSE": True,
-                     "KN": kn}
-                    for bn, g, nw, st, kn in ((32, 4, 4, 3, False), (64, 2, 4, 4, False), (32, 4, 4, 3, True),
-                                              (64, 4, 4, 3, True), (32, 8, 4, 3, True), (64, 2, 4, 4, True),
-                                              (16, 8, 4, 3, True), (128, 4, 8, 3, True), (64, 8, 8, 3, True))]
+        # the tensor-core form (tokens gathered into 16-row blocks): the tiles of runs 4-6
+        configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
+                    for bn, g, nw, st in ((32, 4, 4, 3), (64, 2, 4, 4), (32, 8, 4, 3), (64, 4, 4, 3))]
         # the dot-free one-token stream (uint32-word decode, per-thread scale groups) next to the dot forms
         configs += [{"STREAM": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((64, 4, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (16, 16, 4, 2),
                                           (32, 16, 8, 2), (8, 16, 2, 2), (16, 8, 4, 2), (8, 8, 1, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     if all(c.get("STREAM") for c in configs):  # T > 1 needs a batched form
-        configs.append({"DOT": True, **tri.MOE_DOT_M1} if tri.MOE["DOT"] else dict(tri.MOE))
+        configs.append({"DOT": True, **tri.MOE_DOT_M1})
     for t in ((1, 4) if SMALL else (1, 4, 16, 64)):
         sets = []
         for _ in range(24):  # 24 routings x 6 experts: far beyond the L2
@@ -327,7 +309,6 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
                                                (16, 512, 4, 1, False))]
         configs += [dot0]  # the old default: tensor cores, rows padded to 16
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
-        configs += [{"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}]  # the best FMA GEMV tile of run 3
         # M=1 through the tensor-core kernel (rows padded to 16)
         configs += [{"dot": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st}
                     for bn, bk, nw, st in ((128, 64, 4, 3), (128, 128, 4, 3), (256, 128, 8, 3))]
@@ -335,11 +316,10 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     best = None
     def apply(cfg: dict) -> None:
         tri.FP8_STREAM_MAX_M = 1 if cfg.get("stream") else 0
-        tri.FP8_GEMV_MAX_M = 0 if cfg.get("dot") or cfg.get("stream") else 4
         if cfg.get("stream"):
             tri.FP8_STREAM.update({k: v for k, v in cfg.items() if k != "stream"})
         else:
-            (tri.FP8_DOT if cfg.get("dot") else tri.FP8_GEMV).update({k: v for k, v in cfg.items() if k != "dot"})
+            tri.FP8_DOT.update({k: v for k, v in cfg.items() if k != "dot"})
 
     for cfg in configs:
         apply(cfg)

@@ -55,8 +55,8 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
     return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
 
 
-# M = B*S rows: 1 takes the stream kernel, 3 the GEMV kernel, 2*11 = 22 the dot kernel. hw: the stream kernel's
-# E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
+# M = B*S rows: 1 takes the stream kernel (split along K here), 3 and 2*11 = 22 the dot kernel. hw: the stream
+# kernel's E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,hw,unroll", [(1, 1, False, 1), (1, 1, True, 2), (1, 3, False, 1), (2, 11, False, 1)])
 def test_fp8_linear(dtype, b, s, hw, unroll, monkeypatch):
@@ -81,16 +81,11 @@ def test_fp8_grouped_linear(dtype, b, s, hw, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "t,k,limit,variant", [(1, 2, 7.0, "words"), (3, 3, 0.0, "words"), (9, 2, 1.5, "bytes"), (1, 2, 7.0, "dot"),
-                          (9, 3, 1.5, "dot"), (1, 2, 7.0, "dot_kn"), (9, 3, 1.5, "dot_kn"), (1, 3, 7.0, "stream"),
+    "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (1, 3, 7.0, "stream"),
                           (1, 2, 0.0, "stream")])
 def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
-    """variant: the uint32-word decode (two codes per bit op), the byte decode (FMA GEMV), the tl.dot forms
-    (interleaved tile, or K-major with even/odd k as two dots), or the one-token dot-free stream."""
+    """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream."""
     monkeypatch.setitem(tri.MOE_STREAM, "on", variant == "stream")
-    monkeypatch.setitem(tri.MOE, "WORDS", variant == "words")
-    monkeypatch.setitem(tri.MOE, "DOT", variant.startswith("dot"))
-    monkeypatch.setitem(tri.MOE_DOT, "KN", variant == "dot_kn")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)

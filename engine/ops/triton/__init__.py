@@ -134,13 +134,10 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # FP8 linear
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
-FP8_GEMV_MAX_M = 0  # on the GPU the tl.dot form (rows padded to 16) beat the FMA GEMV at M=1 (bench/NOTES.md)
-FP8_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 FP8_MIN_PROGRAMS = 264  # two per H200 SM: narrower row tiles below this
-MOE = {"BLOCK_N": 32, "GROUPS": 8, "num_warps": 4, "WORDS": True, "DOT": True}
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4, "FUSE": True, "KN": False}
-MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3, "FUSE": True, "KN": False}  # 1 token
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4}  # tokens padded to 16- or 64-row blocks
+MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 token, when the stream is off
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
@@ -180,12 +177,6 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
                SPLIT=split, num_warps=c["num_warps"])
         if split > 1:
             y = _sum_splits(out, x.dtype)
-    elif m <= (4 if launch.cpu else FP8_GEMV_MAX_M):  # the CPU tests keep every form covered
-        bm = _pow2(m, 1)
-        cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if launch.cpu else FP8_GEMV
-        bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-        grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
-        launch("fp8_gemv_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -294,10 +285,7 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     if t == 1 and MOE_STREAM["on"]:  # one token: block j is pair j (no sort needed; repeats are fine)
         zero, pairs, ends = _one_token_tables(topk, idx.device)
         return (1, zero, pairs, idx.reshape(-1).to(torch.int32), pairs, ends, topk)
-    if MOE["DOT"]:
-        bm = 16 if t * topk <= 16 * n_experts else 64
-    else:
-        bm = 1 if t == 1 else (2 if t * topk <= 2 * n_experts else 4)
+    bm = 16 if t * topk <= 16 * n_experts else 64
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
 
@@ -306,19 +294,13 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[in
     if tokens == 1 and MOE_STREAM["on"] and bm == 1:
         c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1} if launch.cpu else MOE_STREAM
         return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
-                                           "WORDS": True, "DOT": -1, "STREAM": True}
-    if MOE["DOT"]:
-        dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
-        if launch.cpu:
-            c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1, "FUSE": MOE_DOT["FUSE"],
-                 "KN": MOE_DOT["KN"]}
-        else:
-            c = MOE_DOT_M1 if tokens == 1 else MOE_DOT
-        kw = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "WORDS": False, "DOT": dot,
-              "FUSE": c["FUSE"], "KN": c.get("KN", False)}
-        return c["BLOCK_N"], c["GROUPS"], kw
-    c = {"BLOCK_N": 16, "GROUPS": 4, "num_warps": 4} if launch.cpu else MOE
-    return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "WORDS": MOE["WORDS"], "DOT": -1}
+                                           "STREAM": True}
+    dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
+    if launch.cpu:
+        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1}
+    else:
+        c = MOE_DOT_M1 if tokens == 1 else MOE_DOT
+    return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot}
 
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
@@ -327,7 +309,7 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
     bn, groups, kw = _moe_cfg(launch, x, bm, x.shape[0])
-    words = kw["WORDS"]
+    words = kw.get("STREAM", False)  # the stream reads the packed codes as uint32 words
     d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
     launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
@@ -346,8 +328,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
     bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)))
-    kw.pop("FUSE", None)
-    words = kw["WORDS"]
+    words = kw.get("STREAM", False)
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)

@@ -50,44 +50,6 @@ def _e2m1_f32(c):
 
 
 @triton.jit
-def fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
-    M, R, K,
-    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Small-M (decode) path: weights decoded once per program and reused by BLOCK_M rows via FMA.
-
-    BLOCK_K divides 128, so every K tile sits in one scale block; the scale multiplies the tile's partial
-    sums [BLOCK_M, BLOCK_N], not each weight.
-    """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    g = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = g * R + offs_r  # global weight rows
-    m_ok = offs_m < M
-    r_ok = offs_r < R
-    x_base = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm
-    w_base = w_ptr + rows[:, None] * stride_wn
-    s_base = s_ptr + (rows // 128) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        wb = tl.load(w_base + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0)
-        w = _e4m3_f32(wb)  # [BN, BK]
-        x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
-        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
-        acc += part * sc[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
-
-
-@triton.jit
 def fp8_matmul_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, R, K,
@@ -192,37 +154,6 @@ def fp8_stream_kernel(
 
 
 @triton.jit
-def _mxfp4_tile_gemv(w_base, s_base, x_lo_base, x_hi_base, K, r_ok, m_ok,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """sum_k x[m, k] * W[n, k] over all K for one [BLOCK_N] row tile and BLOCK_M gathered rows.
-
-    Tile = [BLOCK_N, GROUPS, 16] bytes: each 16-byte run is one scale group of 32 values; the 16 low
-    nibbles meet the even x values and the high nibbles the odd ones, so no interleave is needed; the
-    group's partial sum is scaled once.
-    """
-    offs_g = tl.arange(0, GROUPS)
-    offs_j = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, K // 32, GROUPS):
-        gg = g0 + offs_g
-        g_ok = gg < K // 32
-        byte = gg[:, None] * 16 + offs_j[None, :]  # [G, 16]
-        wmask = r_ok[:, None, None] & g_ok[None, :, None]
-        wb = tl.load(w_base[:, None, None] + byte[None, :, :], mask=wmask, other=0).to(tl.uint32)
-        w_lo = _e2m1_f32(wb)  # [BN, G, 16]
-        w_hi = _e2m1_f32(wb >> 4)
-        xm = m_ok[:, None, None] & g_ok[None, :, None]
-        xo = byte[None, :, :] * 2
-        x_lo = tl.load(x_lo_base[:, None, None] + xo, mask=xm, other=0.0).to(tl.float32)  # [BM, G, 16]
-        x_hi = tl.load(x_hi_base[:, None, None] + xo, mask=xm, other=0.0).to(tl.float32)
-        part = tl.sum(x_lo[:, None, :, :] * w_lo[None, :, :, :] + x_hi[:, None, :, :] * w_hi[None, :, :, :],
-                      axis=3)  # [BM, BN, G]
-        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 0)
-        acc += tl.sum(part * sc[None, :, :], axis=2)
-    return acc
-
-
-@triton.jit
 def _mxfp4_load(w_base, s_base, g0, K, r_ok, GROUPS: tl.constexpr):
     """GROUPS scale groups of a [BLOCK_N] row tile: packed bytes [BN, G, 16] (as uint32) and fp32 scales [BN, G]."""
     gg = g0 + tl.arange(0, GROUPS)
@@ -246,56 +177,6 @@ def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     else:
         acc += tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
     return acc
-
-
-@triton.jit
-def _mxfp4_load_kn(w_base, s_base, g0, K, r_ok, GROUPS: tl.constexpr):
-    """The same tile K-major: bytes [G*16, BN] (as uint32) and scales [G, BN], ready for x @ W^T as two dots."""
-    kb = g0 * 16 + tl.arange(0, GROUPS * 16)
-    wb = tl.load(w_base[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & r_ok[None, :], other=0)
-    gg = g0 + tl.arange(0, GROUPS)
-    sc = _e8m0(tl.load(s_base[None, :] + gg[:, None], mask=(gg < K // 32)[:, None] & r_ok[None, :], other=127), 0)
-    return wb.to(tl.uint32), sc
-
-
-@triton.jit
-def _mxfp4_dot_step_kn(acc, wb, sc, x_even, x_odd, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
-    """acc += x_even @ W_lo + x_odd @ W_hi: the low nibbles (even k) and high nibbles (odd k) as two dots, so
-    the decoded halves are never interleaved or transposed."""
-    lo = tl.reshape(tl.reshape(_e2m1_f32(wb), (GROUPS, 16, BLOCK_N)) * sc[:, None, :], (GROUPS * 16, BLOCK_N))
-    hi = tl.reshape(tl.reshape(_e2m1_f32(wb >> 4), (GROUPS, 16, BLOCK_N)) * sc[:, None, :], (GROUPS * 16, BLOCK_N))
-    if DOT == 0:
-        acc += tl.dot(x_even.to(tl.float32), lo, input_precision="ieee")
-        acc += tl.dot(x_odd.to(tl.float32), hi, input_precision="ieee")
-    elif DOT == 1:
-        acc += tl.dot(x_even.to(tl.bfloat16), lo.to(tl.bfloat16))
-        acc += tl.dot(x_odd.to(tl.bfloat16), hi.to(tl.bfloat16))
-    else:
-        acc += tl.dot(x_even.to(tl.float16), lo.to(tl.float16))
-        acc += tl.dot(x_odd.to(tl.float16), hi.to(tl.float16))
-    return acc
-
-
-@triton.jit
-def _mxfp4_pair_dot_kn(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, m_ok,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr,
-                       PAIR: tl.constexpr):
-    """K-major two-dot form for one (PAIR=False) or two weight matrices sharing x and the K loop."""
-    offs_e = 2 * tl.arange(0, GROUPS * 16)
-    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, K // 32, GROUPS):
-        wb1, sc1 = _mxfp4_load_kn(w1_base, s1_base, g0, K, r_ok, GROUPS)
-        if PAIR:
-            wb3, sc3 = _mxfp4_load_kn(w3_base, s3_base, g0, K, r_ok, GROUPS)
-        ke = g0 * 32 + offs_e
-        xm = m_ok[:, None] & (ke < K)[None, :]
-        x_even = tl.load(x_base[:, None] + ke[None, :], mask=xm, other=0.0)
-        x_odd = tl.load(x_base[:, None] + ke[None, :] + 1, mask=xm, other=0.0)
-        g = _mxfp4_dot_step_kn(g, wb1, sc1, x_even, x_odd, BLOCK_N, GROUPS, DOT)
-        if PAIR:
-            u = _mxfp4_dot_step_kn(u, wb3, sc3, x_even, x_odd, BLOCK_N, GROUPS, DOT)
-    return g, u
 
 
 @triton.jit
@@ -344,36 +225,6 @@ def _e2m1_pair(w, Q: tl.constexpr):
     time: one shift pair and one and/or per two codes (fp16 bits s|ee|m at 15|11..10|9 in each half)."""
     x = w >> (4 * Q)
     return _f16_halves_f32(((x & 0x00070007) << 9) | ((x & 0x00080008) << 12))
-
-
-@triton.jit
-def _mxfp4_tile_gemv_w32(w_base, s_base, x_base, K, r_ok, m_ok,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """Same result as _mxfp4_tile_gemv, reading the packed weights as uint32 words (8 codes each).
-
-    Word i of a row holds elements 8i..8i+7, nibble p = element 8i+p; a group of 32 is 4 words. x is
-    loaded per nibble position p as [BLOCK_M, GROUPS, 4] (stride 8) to meet the decoded halves.
-    """
-    offs_g = tl.arange(0, GROUPS)
-    offs_w = tl.arange(0, 4)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, K // 32, GROUPS):
-        gg = g0 + offs_g
-        g_ok = gg < K // 32
-        word = gg[:, None] * 4 + offs_w[None, :]  # [G, 4]
-        wmask = r_ok[:, None, None] & g_ok[None, :, None]
-        w = tl.load(w_base[:, None, None] + word[None, :, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-        xm = m_ok[:, None, None] & g_ok[None, :, None]
-        xo = x_base[:, None, None] + word[None, :, :] * 8  # element 8i of each word, [BM, G, 4]
-        part = tl.zeros((BLOCK_M, BLOCK_N, GROUPS), dtype=tl.float32)
-        for q in tl.static_range(4):
-            lo, hi = _e2m1_pair(w, q)
-            x_lo = tl.load(xo + q, mask=xm, other=0.0).to(tl.float32)
-            x_hi = tl.load(xo + q + 4, mask=xm, other=0.0).to(tl.float32)
-            part += tl.sum(x_lo[:, None, :, :] * lo[None, :, :, :] + x_hi[:, None, :, :] * hi[None, :, :, :], axis=3)
-        sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=127), 14)
-        acc += tl.sum(part * sc[None, :, :], axis=2)
-    return acc
 
 
 @triton.jit
@@ -433,10 +284,11 @@ def moe_gate_up_kernel(
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    WORDS: tl.constexpr = False, DOT: tl.constexpr = -1, FUSE: tl.constexpr = False, KN: tl.constexpr = False,
-    STREAM: tl.constexpr = False,
+    DOT: tl.constexpr = 1, STREAM: tl.constexpr = False,
 ):
-    """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h)."""
+    """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h).
+    STREAM: one token, the dot-free stream (w*_ptr uint32 views); else tl.dot in DOT's operand dtype
+    (0 fp32, 1 bf16, 2 fp16) over BLOCK_M gathered pair rows."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
@@ -457,26 +309,9 @@ def moe_gate_up_kernel(
                                    x_ptr + tok.to(tl.int64) * stride_xt, D, r_ok, BLOCK_N, GROUPS, True)
             g = g1[None, :]
             u = u1[None, :]
-        elif DOT >= 0 and KN:
-            g, u = _mxfp4_pair_dot_kn(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
-                                      r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT, True)
-        elif DOT >= 0:
-            if FUSE:
-                g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
-                                       r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
-            else:
-                g = _mxfp4_tile_dot(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS,
-                                    DOT)
-                u = _mxfp4_tile_dot(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS,
-                                    DOT)
-        elif WORDS:  # w*_ptr are uint32 views, strides in words
-            g = _mxfp4_tile_gemv_w32(w1_ptr + w_off, s1_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
-            u = _mxfp4_tile_gemv_w32(w3_ptr + w_off, s3_ptr + s_off, x_row, D, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
         else:
-            g = _mxfp4_tile_gemv(w1_ptr + w_off, s1_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
-                                 BLOCK_M, BLOCK_N, GROUPS)
-            u = _mxfp4_tile_gemv(w3_ptr + w_off, s3_ptr + s_off, x_row, x_row + 1, D, r_ok, m_ok,
-                                 BLOCK_M, BLOCK_N, GROUPS)
+            g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
+                                   r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -490,8 +325,8 @@ def moe_down_kernel(
     pair_id_ptr, pair_w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS: tl.constexpr = False,
-    DOT: tl.constexpr = -1, KN: tl.constexpr = False, STREAM: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
+    STREAM: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
     pid_n = tl.program_id(0)
@@ -512,15 +347,8 @@ def moe_down_kernel(
             y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_ptr + pairs.to(tl.int64) * stride_hp, I, r_ok,
                                   BLOCK_N, GROUPS, False)
             y = y1[None, :]
-        elif DOT >= 0 and KN:
-            y, _ = _mxfp4_pair_dot_kn(w_at, s_at, w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT,
-                                      False)
-        elif DOT >= 0:
-            y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
-        elif WORDS:
-            y = _mxfp4_tile_gemv_w32(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
         else:
-            y = _mxfp4_tile_gemv(w_at, s_at, h_row, h_row + 1, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS)
+            y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
         pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
@@ -983,37 +811,22 @@ _IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh str
 
 # (name, kernel, (signature, constexprs), num_warps, matmul)
 ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
-    ("fp8_gemv", fp8_gemv_kernel, _sig(*_FP8_ARGS, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128), 4, False),
     ("fp8_stream", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
-    ("moe_gate_up", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1, FUSE=False), 4, False),
-    ("moe_down", moe_down_kernel, _sig(*_MOE_DOWN, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=False, DOT=-1), 4, False),
     ("moe_gate_up_dot", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, WORDS=False, DOT=1, FUSE=True), 4, True),
-    ("moe_gate_up_dot_kn", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, WORDS=False, DOT=1, FUSE=True, KN=True),
-     4, True),
-    ("moe_down_dot_kn", moe_down_kernel,
-     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1, KN=True), 4, True),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
     ("moe_down_dot", moe_down_kernel,
-     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, WORDS=False, DOT=1), 4, True),
-    ("moe_gate_up_w32", moe_gate_up_kernel,
-     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
-          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True, DOT=-1, FUSE=False), 4, False),
-    ("moe_down_w32", moe_down_kernel,
-     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=32, GROUPS=8, WORDS=True,
-          DOT=-1), 4, False),
+     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1), 4, True),
     ("moe_gate_up_stream", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
-          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=64, GROUPS=4, WORDS=True, DOT=-1, FUSE=False, STREAM=True), 4, False),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True), 4, False),
     ("moe_down_stream", moe_down_kernel,
-     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=64, GROUPS=4, WORDS=True,
-          DOT=-1, STREAM=True), 4, False),
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
+          STREAM=True), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
     ("rms_norm", rms_norm_kernel,
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
