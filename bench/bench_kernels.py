@@ -356,10 +356,10 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
         results["fp8_wo_a_best_cfg"] = best_cfg
         apply(dot0)
         for mp in (0, 528):
-            saved, tri.FP8_MIN_PROGRAMS = tri.FP8_MIN_PROGRAMS, mp
+            saved, tri.MIN_PROGRAMS = tri.MIN_PROGRAMS, mp
             t2 = time_graph_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos, strict=True)))
             print(f"fp8 wo_a grouped M=1 min_programs={mp} {t2*1e3:.1f} us")
-            tri.FP8_MIN_PROGRAMS = saved
+            tri.MIN_PROGRAMS = saved
         apply(best[1])
     nb = wos[0].nbytes() + O_GROUPS * kg * 2 + O_GROUPS * O_LORA * 2
     results["fp8_linear"]["wo_a_grouped_M1"] = {"us": ms * 1e3, "bytes_MB": nb / 1e6,

@@ -26,6 +26,7 @@ from cdna2_engine.checkpoint import tensor_specs
 from cdna2_engine.config import Config
 from cdna2_engine.model import DecodeGraph, Model
 from cdna2_engine.ops import QWeight, get_ops
+from pytest_cdna2.compare import logit_metrics
 
 FLASH = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
              qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
@@ -189,12 +190,6 @@ def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dic
             "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]]}
 
 
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per position, nats."""
-    lp, lq = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
-    return (lp.exp() * (lp - lq)).sum(-1)
-
-
 def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, first: torch.Tensor,
                  graph_logits: list, eager_logits: list) -> dict:
     """The triton backend against the reference backend at these shapes, same weights (the kernel issue's
@@ -220,11 +215,11 @@ def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, fi
     want = runs["ref"][:, : ids.shape[1]]
     out = {"vs_reference_f32_rel_max": r.max().item(),
            "vs_reference_f32_frac_within_1e-5": (r <= 1e-5).double().mean().item(),
-           "vs_reference_bf16_forced_kl_max": kl(want, forced).max().item(),
+           "vs_reference_bf16_forced_kl_max": logit_metrics(forced, want).kl_max,
            "vs_reference_bf16_forced_top1": (forced.argmax(-1) == want.argmax(-1)).double().mean().item(),
-           "vs_reference_bf16_unforced_prefill_kl_max": kl(want, model.forward(ids)).max().item(),
-           "vs_reference_bf16_unforced_decode_kl_max": kl(runs["ref"][:, ids.shape[1]:],
-                                                          torch.cat(graph_logits[:n], 1)).max().item()}
+           "vs_reference_bf16_unforced_prefill_kl_max": logit_metrics(model.forward(ids), want).kl_max,
+           "vs_reference_bf16_unforced_decode_kl_max": logit_metrics(torch.cat(graph_logits[:n], 1),
+                                                                     runs["ref"][:, ids.shape[1]:]).kl_max}
     del ref, f32
     print(json.dumps(out, indent=1))
     if out["vs_reference_f32_frac_within_1e-5"] < 0.99 or out["vs_reference_bf16_forced_kl_max"] > 2e-2:

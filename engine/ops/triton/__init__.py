@@ -135,7 +135,7 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
-FP8_MIN_PROGRAMS = 264  # two per H200 SM: narrower row tiles below this
+MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4}  # tokens padded to 16- or 64-row blocks
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 token, when the stream is off
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
@@ -160,12 +160,12 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
-        while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < FP8_MIN_PROGRAMS:
+        while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
         step = bk * c["UNROLL"]
         programs = triton_cdiv(r, bn) * m * g
-        split = max(1, min(triton_cdiv(k, step), triton_cdiv(FP8_MIN_PROGRAMS, programs)))
+        split = max(1, min(triton_cdiv(k, step), triton_cdiv(MIN_PROGRAMS, programs)))
         if launch.cpu:
             split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
         chunk = triton_cdiv(triton_cdiv(k, split), step) * step
@@ -181,7 +181,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-        while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < FP8_MIN_PROGRAMS:
+        while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
             bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
         launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -368,7 +368,6 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
-DENSE_MIN_PROGRAMS = 264  # two per H200 SM: split K below this many row blocks
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the head at 1.00 of copy
 
 
@@ -383,7 +382,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     bn, bk = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm)
     launch = _Launch(x)
     blocks = triton_cdiv(n, bn)
-    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_MIN_PROGRAMS // blocks))
+    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // blocks))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
     y = _empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
@@ -408,8 +407,8 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, r
     launch("compress_pool_kernel", (b, triton_cdiv(d, bc)), kv2, g2, ring_kv, ring_gate, ape.float().contiguous(),
            entries, pos, c, d, kv2.stride(0), ring_kv.stride(0), ring_kv.stride(1), entries.stride(0),
            entries.stride(1), R=ratio, RING=ring, NSLOT=_pow2(ring, 2), BLOCK_C=bc, num_warps=4)
-    launch("compress_finish_kernel", (b,), entries, norm.contiguous(), cos.reshape(b, half).float().contiguous(),
-           sin.reshape(b, half).float().contiguous(), pos, d, half, float(eps), entries.stride(0), entries.stride(1),
+    launch("compress_finish_kernel", (b,), entries, norm.contiguous(), cos.reshape(b, half).contiguous(),
+           sin.reshape(b, half).contiguous(), pos, d, half, float(eps), entries.stride(0), entries.stride(1),
            R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
@@ -432,9 +431,6 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.reshape(*lead, k), margin.reshape(lead)
 
 
-HC_SPLIT_PROGRAMS = 256  # split the mix's K until rows x splits reaches this (decode: 1 row, fn 1.5 MB)
-
-
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
            norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a block (as reference.hc_pre): a split-K mix launch, then one launch per row for the
@@ -446,7 +442,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     rows, k = h2.shape
     fn = fn.float().contiguous()
     mix, bk = fn.shape[0], 128
-    split = max(1, min(triton_cdiv(k, bk), HC_SPLIT_PROGRAMS // rows))
+    split = max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // rows))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
     pw = mix + 1

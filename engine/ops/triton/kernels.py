@@ -306,7 +306,7 @@ def moe_gate_up_kernel(
         s_off = e64 * stride_se + offs_n * stride_sn
         if STREAM:  # BLOCK_M == 1: one (token, expert) pair per block; w*_ptr are uint32 views
             g1, u1 = _mxfp4_stream(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off,
-                                   x_ptr + tok.to(tl.int64) * stride_xt, D, r_ok, BLOCK_N, GROUPS, True)
+                                   x_row, D, r_ok, BLOCK_N, GROUPS, True)
             g = g1[None, :]
             u = u1[None, :]
         else:
@@ -344,8 +344,7 @@ def moe_down_kernel(
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
         if STREAM:  # BLOCK_M == 1; w2_ptr is a uint32 view
-            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_ptr + pairs.to(tl.int64) * stride_hp, I, r_ok,
-                                  BLOCK_N, GROUPS, False)
+            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_row, I, r_ok, BLOCK_N, GROUPS, False)
             y = y1[None, :]
         else:
             y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
@@ -832,7 +831,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
           HAS_W=True, BLOCK_D=4096), 4, False),
     ("rope", rope_kernel,
-     _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp32 *fp32 *bf16 i32 i32 i32 fp32",
+     _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp64 *fp64 *bf16 i32 i32 i32 fp32",
           BLOCK_H=64, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("attention", attention_kernel,
      _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None,
@@ -859,7 +858,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           R=4, RING=8, NSLOT=8, BLOCK_C=64), 4, False),
     ("compress_finish", compress_finish_kernel,
      _sig("ent_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es",
-          "*bf16 *bf16 *fp32 *fp32 *i64 i32 i32 fp32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
+          "*bf16 *bf16 *fp64 *fp64 *i64 i32 i32 fp32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("topk", topk_kernel, _sig("s_ptr idx_ptr margin_ptr W stride_s", "*fp32 *i64 *fp32 i32 i32", K=6, HAS_NEXT=True,
                                BLOCK_W=256), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
