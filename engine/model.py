@@ -160,7 +160,8 @@ class Compressor:
             slots = (start - r + torch.arange(r, device=dev)) % ring
             kv[:, slots, :d], gate[:, slots, :d] = st.prev_kv, st.prev_gate
         entries = torch.zeros(batch, capacity // r + 1, d, dtype=dtype, device=dev)
-        entries[:, : st.count()] = st.entries if st.count() else entries[:, :0]
+        if st.count():
+            entries[:, : st.count()] = st.entries
         return StaticCompressor(kv, gate, entries)
 
 
