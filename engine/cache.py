@@ -50,19 +50,39 @@ class StaticCompressor:
     """A compressor's state in fixed shapes for the graph-captured decode step: a ring of the last one (HCA)
     or two (CSA: the previous window's Ca half is read by the next entry) windows of projected rows, with
     the gate's position bias already added, and every entry slot preallocated (the entry of the window in
-    progress is rewritten each step and stays invisible until its window closes)."""
+    progress is rewritten each step and becomes visible, `valid`, when its window closes)."""
 
     kv: torch.Tensor  # [B, ring, c], ring = ratio (HCA) or 2 * ratio (CSA); slot = position % ring
     gate: torch.Tensor  # [B, ring, c], -inf where nothing was written yet
     entries: torch.Tensor  # [B, capacity // ratio + 1, d]
+    valid: torch.Tensor  # [B, capacity // ratio + 1] bool: the entry's window has closed
 
 
 @dataclass
 class StaticLayer:
-    window: torch.Tensor  # [B, sliding_window, head_dim]: a ring, slot = position % sliding_window
-    window_pos: torch.Tensor  # [sliding_window] int64: the position held in each slot (-2**40: none)
+    """One layer's attention state: `keys` holds the sliding-window ring (slot = position % window) followed by
+    the compressor's entry slots, and `mask` [B, 1, keys] says which of them the next query sees, so the
+    attention reads one buffer with no per-step concatenation. A ring slot is visible once written (it then
+    holds one of the last `window` positions); an HCA entry once its window closed (the compressor writes
+    that flag straight into the mask); a CSA entry once closed and picked by the indexer."""
+
+    keys: torch.Tensor  # [B, window + entry slots, head_dim]
+    mask: torch.Tensor  # [B, 1, window + entry slots] bool
+    window_size: int
     compressor: StaticCompressor | None = None
     indexer: StaticCompressor | None = None
+
+    @property
+    def window(self) -> torch.Tensor:
+        return self.keys[:, : self.window_size]
+
+    @property
+    def window_ok(self) -> torch.Tensor:
+        return self.mask[:, 0, : self.window_size]
+
+    @property
+    def entry_mask(self) -> torch.Tensor:
+        return self.mask[:, :, self.window_size:]
 
 
 @dataclass

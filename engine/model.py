@@ -18,7 +18,6 @@ import torch
 from .cache import Cache, CompressorState, LayerCache, StaticCache, StaticCompressor, StaticLayer
 from .config import Config, rope_inv_freq
 from .ops import QWeight
-from .ops.reference import hc_mix, swiglu
 
 
 @dataclass
@@ -58,14 +57,13 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 class _Rope:
-    """cos/sin [B, S, rd/2] for absolute positions, computed in float64 then cast by the ops."""
+    """cos/sin [B, S, rd/2] for absolute positions (the ops' rope_cos_sin: float64, cast by `rope`)."""
 
-    def __init__(self, cfg: Config, compressed: bool, device: torch.device):
-        self.inv_freq = rope_inv_freq(cfg, compressed).to(device)
+    def __init__(self, cfg: Config, compressed: bool, device: torch.device, ops):
+        self.inv_freq, self.ops = rope_inv_freq(cfg, compressed).to(device), ops
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ang = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq
-        return ang.cos(), ang.sin()
+        return self.ops.rope_cos_sin(positions, self.inv_freq)
 
 
 def _join_rows(w: dict, a: str, b: str) -> QWeight | None:
@@ -139,15 +137,21 @@ class Compressor:
         is pooled (closed or not) into entry slot pos // ratio. Branch-free, so a CUDA graph can hold it; an
         unclosed window's entry is invisible (attention and indexer see slot t once (pos + 1) // ratio > t).
         Returns every entry slot [B, slots, d]."""
-        kv, gate = self._kv_gate(x)  # [B, 1, c] each
-        cos, sin = ctx.rope(self.m.rope_c, pos // self.ratio * self.ratio, x.shape[0], 1, key=self.ratio)
-        self.m.ops.compress_step(kv, gate, st.kv, st.gate, st.entries, self.ape, self.norm, cos, sin, pos,
-                                 self.ratio, self.m.cfg.rms_norm_eps)
+        ops = self.m.ops
+        if self.w_both is None:
+            kv, gate = ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+        else:  # [B, 1, c] views of one projection, in x's dtype (compress_step widens them)
+            kv, gate = ops.linear(x, self.w_both).split(self.c, -1)
+        start = ctx.memo(("window start", self.ratio), lambda: pos // self.ratio * self.ratio)
+        cos, sin = ctx.rope(self.m.rope_c, start, x.shape[0], 1, key=self.ratio)
+        ops.compress_step(kv, gate, st.kv, st.gate, st.entries, st.valid, self.ape, self.norm, cos, sin, pos,
+                          self.ratio, self.m.cfg.rms_norm_eps)
         return st.entries
 
-    def to_static(self, st: CompressorState, pos: int, batch: int, capacity: int,
-                  dtype: torch.dtype) -> StaticCompressor:
-        """The same state in `decode`'s fixed shapes (pending rows and CSA's previous Ca half into the ring)."""
+    def to_static(self, st: CompressorState, pos: int, batch: int, capacity: int, dtype: torch.dtype,
+                  entries: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> StaticCompressor:
+        """The same state in `decode`'s fixed shapes (pending rows and CSA's previous Ca half into the ring);
+        `entries` [B, slots, d] and `valid` [B, slots] may be views into the layer's key and mask buffers."""
         r, d, dev, acc = self.ratio, self.dim, self.ape.device, _acc(dtype)
         ring, c = (2 * r if self.overlap else r), self.c
         kv = torch.zeros(batch, ring, c, dtype=acc, device=dev)
@@ -159,10 +163,13 @@ class Compressor:
         if self.overlap and st.prev_kv is not None:
             slots = (start - r + torch.arange(r, device=dev)) % ring
             kv[:, slots, :d], gate[:, slots, :d] = st.prev_kv, st.prev_gate
-        entries = torch.zeros(batch, capacity // r + 1, d, dtype=dtype, device=dev)
+        slots = capacity // r + 1
+        entries = torch.zeros(batch, slots, d, dtype=dtype, device=dev) if entries is None else entries.zero_()
+        valid = torch.zeros(batch, slots, dtype=torch.bool, device=dev) if valid is None else valid.zero_()
         if st.count():
             entries[:, : st.count()] = st.entries
-        return StaticCompressor(kv, gate, entries)
+            valid[:, : st.count()] = True
+        return StaticCompressor(kv, gate, entries, valid)
 
 
 class Attention:
@@ -200,18 +207,15 @@ class Attention:
         o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
         return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
 
-    def _compressed(self, x, qr, entries, ikeys, pos, ctx) -> torch.Tensor:
-        """Mask [B, S, T] over the compressed entries: visible (window closed) and, for CSA, indexer-picked."""
+    def _picked(self, x, qr, ikeys, pos, visible, ctx, out=None) -> torch.Tensor:
+        """CSA's mask [B, S, T] over the compressed entries: visible ([S, T] or [B, 1, T]) and indexer-picked
+        (written into `out` when given)."""
         B, S, _ = x.shape
-        T = entries.shape[1]
-        visible = torch.arange(T, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]  # [S, T]
-        cmask = visible.expand(B, S, T)
-        if ikeys is not None:
-            sel = self._select(x, qr, ikeys, pos, visible, ctx)
-            hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
-            hit.scatter_(-1, torch.where(sel >= 0, sel, T), True)
-            cmask = cmask & hit[..., :T]
-        return cmask
+        T = ikeys.shape[1]
+        sel, forced = self._select(x, qr, ikeys, pos, visible, ctx)
+        hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
+        hit.scatter_(-1, torch.where(sel >= 0, sel, T) if forced else sel, True)  # forced picks hold -1 (none)
+        return torch.logical_and(visible, hit[..., :T], out=out)
 
     def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """A chunk of S tokens at host-known positions (prefill, or decode from a growing `Cache`)."""
@@ -226,64 +230,68 @@ class Attention:
         mask = mask.expand(B, S, -1)
         if self.ratio:
             entries = self.compressor(x, lc.compressor)  # [B, T, hd]
-            ikeys = self.indexer(x, lc.indexer) if self.indexer is not None else None
-            cmask = self._compressed(x, qr, entries, ikeys, pos, ctx)
-            keys, mask = torch.cat([keys, entries.to(keys.dtype)], 1), torch.cat([mask, cmask], -1)
+            T = entries.shape[1]
+            cmask = torch.arange(T, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]  # [S, T] closed
+            if self.indexer is not None:
+                cmask = self._picked(x, qr, self.indexer(x, lc.indexer), pos, cmask, ctx)
+            keys, mask = torch.cat([keys, entries.to(keys.dtype)], 1), torch.cat([mask, cmask.expand(B, S, T)], -1)
         return self._output(q, keys, mask, cos, sin)
 
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync."""
-        B = x.shape[0]
         q, kv, qr, cos, sin = self._project(x, pos, ctx)
-        win = self.m.cfg.sliding_window
-        sl.window.index_copy_(1, pos % win, kv)
-        sl.window_pos.index_copy_(0, pos % win, pos)
-        kp = sl.window_pos
-        mask = ((kp <= pos) & (kp > pos - win)).expand(B, 1, win)
-        keys = sl.window
+        win = sl.window_size
+        slot = ctx.memo(("window slot", win), lambda: pos % win)
+        sl.window.index_copy_(1, slot, kv)
+        sl.window_ok.index_fill_(1, slot, True)
         if self.ratio:
-            entries = self.compressor.decode(x, sl.compressor, pos, ctx)
-            ikeys = self.indexer.decode(x, sl.indexer, pos, ctx) if self.indexer is not None else None
-            cmask = self._compressed(x, qr, entries, ikeys, pos, ctx)
-            keys, mask = torch.cat([keys, entries], 1), torch.cat([mask, cmask], -1)
-        return self._output(q, keys, mask, cos, sin)
+            self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
+            if self.indexer is not None:
+                ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
+                self._picked(x, qr, ikeys, pos, sl.compressor.valid.unsqueeze(1), ctx, out=sl.entry_mask)
+        return self._output(q, sl.keys, sl.mask, cos, sin)
 
     def to_static(self, lc: LayerCache, pos: int, batch: int, capacity: int, dtype: torch.dtype) -> StaticLayer:
         cfg, dev = self.m.cfg, self.m.device
         win = cfg.sliding_window
-        window = torch.zeros(batch, win, cfg.head_dim, dtype=dtype, device=dev)
-        window_pos = torch.full((win,), -(2**40), dtype=torch.long, device=dev)
+        slots = capacity // self.ratio + 1 if self.ratio else 0
+        sl = StaticLayer(torch.zeros(batch, win + slots, cfg.head_dim, dtype=dtype, device=dev),
+                         torch.zeros(batch, 1, win + slots, dtype=torch.bool, device=dev), win)
         n = 0 if lc.window is None else lc.window.shape[1]
         if n:
-            held = torch.arange(pos - n, pos, device=dev)
-            window[:, held % win], window_pos[held % win] = lc.window, held
-        return StaticLayer(
-            window, window_pos,
-            self.compressor.to_static(lc.compressor, pos, batch, capacity, dtype) if self.ratio else None,
-            self.indexer.to_static(lc.indexer, pos, batch, capacity, dtype) if self.indexer is not None else None,
-        )
+            held = torch.arange(pos - n, pos, device=dev) % win
+            sl.window[:, held], sl.window_ok[:, held] = lc.window, True
+        if self.ratio:  # HCA's visible entries are its mask; CSA's are also indexer-picked, so kept apart
+            sl.compressor = self.compressor.to_static(lc.compressor, pos, batch, capacity, dtype,
+                                                      sl.keys[:, win:], None if self.indexer else sl.entry_mask[:, 0])
+            if self.indexer is not None:
+                sl.indexer = self.indexer.to_static(lc.indexer, pos, batch, capacity, dtype)
+        return sl
 
-    def _select(self, x, qr, keys, pos, visible, ctx: _Ctx) -> torch.Tensor:
-        """Lightning indexer: top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k)."""
+    def _select(self, x, qr, keys, pos, visible, ctx: _Ctx) -> tuple[torch.Tensor, bool]:
+        """Lightning indexer: top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k),
+        and whether the picks are forced ones (which hold -1 for "none"; own picks may name invisible
+        entries, which the caller's visibility mask removes)."""
         m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p + "indexer.", self.m.ops
         B, S, _ = x.shape
         T = keys.shape[1]
         forced = ctx.forced(self.i, "indexer")
         k = min(cfg.index_topk, T)
         if k == 0:
-            return torch.full((B, S, 0), -1, dtype=torch.long, device=x.device)
+            return torch.full((B, S, 0), -1, dtype=torch.long, device=x.device), True
         if forced is not None and not ctx.recording:
-            return forced
+            return forced, True
         cos, sin = ctx.rope(m.rope_c, pos, B, S)
         q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
         q = ops.rope(q, cos, sin)
-        hw = ops.linear(x.to(_acc(x.dtype)), w[p + "weights_proj.weight"]) * cfg.index_n_heads**-0.5
-        scores = ops.index_scores(q, keys, hw, cfg.index_head_dim**-0.5)  # [B, S, T]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        hw = ops.linear(x.to(_acc(x.dtype)), w[p + "weights_proj.weight"])
+        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
+        scores = torch.where(visible, ops.index_scores(q, keys, hw, scale), float("-inf"))  # [B, S, T]
         idx, margin = ops.topk(scores, k)
-        idx = torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx)
-        ctx.record(self.i, "indexer", idx, torch.nan_to_num(margin, nan=float("inf")))
-        return idx if forced is None else forced  # forced: the engine's own pick is recorded, not used
+        if ctx.recording:  # picks of invisible entries recorded as -1
+            ctx.record(self.i, "indexer", torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx),
+                       torch.nan_to_num(margin, nan=float("inf")))
+        return (idx, False) if forced is None else (forced, True)  # forced: own pick recorded, not used
 
 
 class MoE:
@@ -303,29 +311,25 @@ class MoE:
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
         logits = ops.linear(x2.to(_acc(x.dtype)), w[p + "gate.weight"])  # router in fp32 or fp64
-        if cfg.scoring_func == "sqrtsoftplus":
-            scores = torch.nn.functional.softplus(logits).sqrt()
-        elif cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(-1)
+        k = cfg.num_experts_per_tok
+        route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
+        bias = w.get(p + "gate.bias")
         forced = ctx.forced(self.i, "router")
-        if self.hash:
-            idx = w[p + "gate.tid2eid"][ids.reshape(-1)].long()
-        elif forced is None or ctx.recording:  # forced: the engine's own pick is still recorded
-            idx, margin = ops.topk(scores + w[p + "gate.bias"].to(scores.dtype), cfg.num_experts_per_tok)
+        fixed = w[p + "gate.tid2eid"][ids.reshape(-1)] if self.hash else None
+        if fixed is None and (forced is None or ctx.recording):  # forced: the engine's own pick is still recorded
+            idx, weights, margin = ops.route(logits, bias, *route)
             ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
         if forced is not None:
-            idx = forced.reshape(-1, cfg.num_experts_per_tok)
-        weights = scores.gather(1, idx)
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+            fixed = forced.reshape(-1, k)
+        if fixed is not None:
+            idx, weights, _ = ops.route(logits, bias, *route, fixed)
         e = m.experts[self.i]
         routed = ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit)
         if self.w13 is not None:
             g, u = ops.linear(x2, self.w13).split(self.inter, -1)
         else:
             g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
-        shared = ops.linear(swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
+        shared = ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
         return (routed + shared).view(B, S, D)
 
 
@@ -337,7 +341,7 @@ class _Ctx:
         self.start = 0  # absolute position of the chunk's first token (set by Model.step)
         self.selections: dict[tuple[int, str], Selection] = {}
         self.taps_wanted, self.taps = set(taps), {}
-        self._ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._memo: dict[tuple, object] = {}
 
     @property
     def recording(self) -> bool:
@@ -358,17 +362,21 @@ class _Ctx:
     def begin(self, start: int) -> None:
         """A new chunk at absolute position `start`: RoPE values of an earlier chunk no longer apply."""
         self.start = start
-        self._ropes.clear()
+        self._memo.clear()
+
+    def memo(self, key: tuple, make):
+        """`make()` once per chunk under `key`: device values that every layer of a decode step shares
+        (the ring slot, a window's first position), computed with one launch instead of one per layer."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def rope(self, rope: _Rope, pos: torch.Tensor, batch: int, tokens: int,
              key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of `rope` at `pos` ([B, S] after expand), computed once per call (4 launches each): the
         chunk's positions, or under `key` other positions that are fixed within a call (a decode step's
         compressed-entry position per ratio)."""
-        k = (id(rope), key)
-        if k not in self._ropes:
-            self._ropes[k] = rope(pos.expand(batch, tokens))
-        return self._ropes[k]
+        return self.memo(("rope", id(rope), key), lambda: rope(pos.expand(batch, tokens)))
 
 
 class Model:
@@ -379,7 +387,7 @@ class Model:
                  source: str | None = None):
         self.cfg, self.device, self.dtype, self.ops, self.source, self._sha = cfg, device, dtype, ops, source, None
         self.w = {k: (v.to(device) if isinstance(v, (QWeight, torch.Tensor)) else v) for k, v in weights.items()}
-        self.rope_main, self.rope_c = _Rope(cfg, False, device), _Rope(cfg, True, device)
+        self.rope_main, self.rope_c = _Rope(cfg, False, device, ops), _Rope(cfg, True, device, ops)
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
         self.attn = [Attention(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
@@ -558,11 +566,7 @@ class Model:
             ctx.tap(f"{i}.ffn_out", f)
             h = ops.hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
-        acc = _acc(self.dtype)
-        hf = h.to(acc)
-        pre = torch.sigmoid(hc_mix(h, w["hc_head_fn"], cfg.rms_norm_eps) * w["hc_head_scale"].to(acc)
-                            + w["hc_head_base"].to(acc)) + cfg.hc_eps
-        y = (pre.unsqueeze(-1) * hf).sum(2)
+        y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         y = ops.rms_norm(y, w["norm.weight"], cfg.rms_norm_eps)
         return ops.linear(y, w["head.weight"])
 

@@ -116,17 +116,19 @@ def test_compress_step(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, 
     dev, B, half = cdna2_device, 2, 8
     c, ring = (2 * d, 2 * ratio) if ratio == 4 else (d, ratio)
     kv, gate = rnd(B, 1, c, dev=dev), rnd(B, 1, c, dev=dev)
-    bufs = [rnd(B, ring, c, dev=dev), rnd(B, ring, c, dev=dev), rnd(B, pos // ratio + 2, d, dev=dev, dtype=dtype)]
+    bufs = [rnd(B, ring, c, dev=dev), rnd(B, ring, c, dev=dev), rnd(B, pos // ratio + 2, d, dev=dev, dtype=dtype),
+            torch.zeros(B, pos // ratio + 2, dtype=torch.bool, device=dev)]
     ape, norm = rnd(ratio, c, dev=dev), torch.rand(d, device=dev) + 0.5
     ang = torch.rand(B, 1, half, dtype=torch.float64, device=dev) * 50
     p = torch.tensor([pos], device=dev)
-    want = [f64(t.clone()) for t in bufs]
+    want = [t.clone() if t.dtype == torch.bool else f64(t.clone()) for t in bufs]
     reference.compress_step(f64(kv), f64(gate), *want, f64(ape), norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
     ops.compress_step(kv, gate, *bufs, ape, norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
     assert torch.equal(bufs[0].double(), want[0]), "compress_step: the kv ring row is not the projected row"
     # the gate row is gate + ape, one fp32 rounding of a sum the float64 reference computes exactly
     assert torch.allclose(bufs[1].double(), want[1], rtol=1e-6, atol=1e-6), "compress_step: gate ring row wrong"
     w = pos // ratio
+    assert torch.equal(bufs[3], want[3]), "compress_step: the entry's valid flag is not set iff its window closed"
     check("compress_step", bufs[2][:, w], want[2][:, w], dtype, cdna2_tolerance, cdna2_record)
 
 

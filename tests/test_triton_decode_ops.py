@@ -37,6 +37,8 @@ def test_dense_linear_at_decode_sizes(m, n, k, wdtype):
     y = tri.linear(x, w)
     assert y.dtype == x.dtype
     assert rel(y, ref.linear(x.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-5
+    assert torch.equal(tri.linear(x, w), y)  # again: the split sum left its arrival counters at zero
+    assert not tri._locks(x.device, 0).any()
 
 
 def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkeypatch):
@@ -76,6 +78,64 @@ def test_hc_post(n, rows, d):
     assert rel(got, ref.hc_post(out.double(), h.double(), post.double(), comb.double())) <= 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
+def test_hc_head(n, rows, d):
+    """The head's mHC collapse (pre weights only) in fp32 against float64; its output stays fp32."""
+    g = torch.Generator().manual_seed(n * 1000 + rows + d)
+    h = torch.randn(rows, 1, n, d, generator=g) * 2
+    fn = torch.randn(n, n * d, generator=g) / (n * d) ** 0.5 * 3
+    base, scale = torch.randn(n, generator=g), torch.rand(1, generator=g) + 0.5
+    got = tri.hc_head(h, fn, base, scale, 1e-6, 1e-6)
+    assert got.dtype == torch.float32
+    assert rel(got, ref.hc_head(h.double(), fn.double(), base.double(), scale.double(), 1e-6, 1e-6)) <= 1e-5
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("t, e, k", [(3, 256, 6), (2, 37, 5), (1, 8, 8)])
+@pytest.mark.parametrize("bias, fixed", [(True, False), (False, False), (True, True)])
+def test_route_matches_the_reference(scoring, t, e, k, bias, fixed):
+    """Scores, top-k with ties to the lower id (heavy ties on purpose, through the bias), weights normalized
+    and scaled, margin; with `fixed` experts (hash routing, a repeat included) only the weights."""
+    g = torch.Generator().manual_seed(e * 10 + k + t)
+    logits = torch.randint(-8, 9, (t, e), generator=g).float() / 2  # discrete: exact ties in any precision
+    if scoring == "sqrtsoftplus":  # (softmax would squash the others below fp32's resolution of the bias)
+        logits[:, 3::7] = 25.0  # softplus' pass-through branch (above 20)
+    b = (torch.randint(0, 3, (e,), generator=g).float() / 4) if bias else None
+    fx = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32) if fixed else None
+    if fixed:
+        fx[:, 1] = fx[:, 0]
+    got = tri.route(logits, b, k, scoring, 2.5, fx)
+    want = ref.route(logits.double(), None if b is None else b.double(), k, scoring, 2.5, fx)
+    assert torch.equal(got[0], want[0])
+    assert rel(got[1], want[1]) <= 1e-6  # fp32 elementwise and one sum of k
+    if fixed:
+        assert got[2].isinf().all()
+    else:  # a difference of two fp32 sums score + bias: a few ulps of the largest
+        ulp = (logits.abs().max() + (0 if b is None else b.abs().max())).item() * 2.0**-23
+        assert torch.allclose(got[2].double(), want[2], rtol=0, atol=8 * ulp)
+
+
+def test_swiglu_on_views_of_one_projection():
+    g = torch.Generator().manual_seed(5)
+    both = torch.randn(3, 1, 2 * 1100, generator=g) * 6
+    gate, up = both.split(1100, -1)
+    for limit in (7.0, 0.0):
+        got = tri.swiglu(gate, up, limit)
+        assert got.shape == gate.shape
+        assert rel(got, ref.swiglu(gate.double(), up.double(), limit)) <= 1e-6
+
+
+def test_rope_cos_sin_in_float64():
+    """The angles of positions up to 1M in float64 (an fp32 angle is off by radians there)."""
+    pos = torch.tensor([[0, 1, 77, 999_999], [5, 65_536, 300_000, 3]])
+    inv = torch.rand(13, dtype=torch.float64) ** 4
+    cos, sin = tri.rope_cos_sin(pos, inv)
+    rc, rs = ref.rope_cos_sin(pos, inv)
+    assert cos.dtype == torch.float64 and cos.shape == (2, 4, 13)
+    assert torch.allclose(cos, rc, rtol=0, atol=1e-12) and torch.allclose(sin, rs, rtol=0, atol=1e-12)
+
+
 def test_moe_one_token_with_a_repeated_expert():
     """Decode's one-token path builds its block tables without sorting: a hash layer may route a token to
     the same expert twice, and each pair must still be computed and weighted on its own."""
@@ -97,27 +157,31 @@ def test_moe_one_token_with_a_repeated_expert():
 @pytest.mark.parametrize("pos", [0, 3, 5, 130, 517])  # first window, a window's last token, wrapped rings
 @pytest.mark.parametrize("entry_dtype", [torch.float32, torch.float16])
 def test_compress_step(ratio, overlap, d, half, pos, entry_dtype):
-    """One decode token through a compressor's fixed buffers: the ring row written (gate + position bias)
-    and the entry slot of its window (pooled, normed, rotated) match the reference; nothing else moves."""
+    """One decode token through a compressor's fixed buffers: the ring row written (gate + position bias),
+    the entry slot of its window (pooled, normed, rotated) and that slot's valid flag (set iff the token
+    closes the window) match the reference; nothing else moves. kv and gate are views of one projection."""
     g = torch.Generator().manual_seed(ratio + d + pos)
     b, c = 2, (2 * d if overlap else d)
     ring = 2 * ratio if overlap else ratio
-    kv, gate = torch.randn(b, 1, c, generator=g), torch.randn(b, 1, c, generator=g)
+    kv, gate = torch.randn(b, 1, 2 * c, generator=g).split(c, -1)
     rkv, rg = torch.randn(b, ring, c, generator=g), torch.randn(b, ring, c, generator=g)
     rg[:, :2] = float("-inf")  # slots never written yet (first windows)
     ent = torch.randn(b, pos // ratio + 3, d, generator=g).to(entry_dtype)
+    valid = torch.rand(b, ent.shape[1], generator=g) < 0.5
     ape, norm = torch.randn(ratio, c, generator=g), torch.rand(d, generator=g) + 0.5
     ang = torch.rand(b, 1, half, dtype=torch.float64, generator=g) * 50
     p = torch.tensor([pos])
-    want = [t.clone() for t in (rkv, rg, ent)]
+    want = [t.clone() for t in (rkv, rg, ent, valid)]
     ref.compress_step(kv, gate, *want, ape, norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
-    got = [t.clone() for t in (rkv, rg, ent)]
+    got = [t.clone() for t in (rkv, rg, ent, valid)]
     tri.compress_step(kv, gate, *got, ape, norm, ang.cos(), ang.sin(), p, ratio, 1e-6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # the ring write is a copy
     w = pos // ratio
     others = torch.ones(ent.shape[1], dtype=torch.bool)
     others[w] = False
     assert torch.equal(got[2][:, others], ent[:, others])
+    assert torch.equal(got[3][:, others], valid[:, others])
+    assert got[3][:, w].tolist() == [(pos + 1) % ratio == 0] * b
     tol = 1e-5 if entry_dtype == torch.float32 else 2e-3  # fp16: the norm output is rounded before RoPE
     assert rel(got[2][:, w], want[2][:, w]) <= tol
 

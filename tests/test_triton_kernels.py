@@ -126,7 +126,9 @@ def test_rms_norm(dtype, b, d, weighted):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("b,h,d,half", [(1, 3, 24, 4), (2, 5, 10, 5)])
-def test_rope(dtype, inverse, b, h, d, half):
+@pytest.mark.parametrize("min_programs", [tri.MIN_PROGRAMS, 2])  # heads one per program, or in blocks of 4 and 8
+def test_rope(dtype, inverse, b, h, d, half, min_programs, monkeypatch):
+    monkeypatch.setattr(tri, "MIN_PROGRAMS", min_programs)
     g = gen(500 + b * 7 + d)
     x = torch.randn(b, 3, h, d, generator=g).to(dtype)
     ang = torch.rand(b, 3, half, generator=g) * 6
@@ -137,10 +139,14 @@ def test_rope(dtype, inverse, b, h, d, half):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
-                                               (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16)])
+                                               (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16), (2, 3, 5, 24, 37, -1),
+                                               (2, 2, 40, 20, 19, -1)])
 def test_attention(dtype, b, s, h, d, ln, chunk, monkeypatch):
-    """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine."""
-    monkeypatch.setattr(tri, "ATTN_CHUNK", chunk)
+    """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine; 0 splits as a decode
+    would (few programs at these sizes); -1 never splits (enough programs, as a prefill)."""
+    monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
+    if chunk < 0:
+        monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
     g = gen(600 + b * 13 + s + h + ln)
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
     kv = torch.randn(b, ln, d, generator=g).to(dtype)

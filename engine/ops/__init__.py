@@ -19,11 +19,15 @@ OP_NAMES = (
     "rms_norm",
     "hc_pre",
     "hc_post",
+    "hc_head",
     "compress_step",
     "rope",
+    "rope_cos_sin",
     "attention",
     "index_scores",
     "topk",
+    "route",
+    "swiglu",
     "moe_experts",
 )
 

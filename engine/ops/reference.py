@@ -68,6 +68,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., half] of positions [...] times inv_freq [half], in float64 (positions reach 1M: an fp32
+    angle would be off by whole radians); `rope` casts them to its compute dtype."""
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return ang.cos(), ang.sin()
+
+
 def attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -131,6 +138,15 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return flat @ fn.to(acc).T
 
 
+def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """The model head's mHC: the streams h [..., n, D] collapsed by pre = sigmoid(mix * scale + base) + eps
+    (fn has n rows: no post, no comb) -> [..., D] in fp32 (fp64 for fp64 h), for the final norm."""
+    acc = _acc(h.dtype)
+    pre = torch.sigmoid(hc_mix(h, fn, norm_eps) * scale.to(acc) + base.to(acc)) + hc_eps
+    return (pre.unsqueeze(-1) * h.to(acc)).sum(-2)
+
+
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
            norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC before a block, from the streams h [..., n, D]: (post [..., n], comb [..., n, n], the collapsed
@@ -147,14 +163,15 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
-                  entries: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  pos: torch.Tensor, ratio: int, eps: float) -> None:
+                  entries: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, pos: torch.Tensor, ratio: int, eps: float) -> None:
     """One decode token through a compressor's fixed buffers (cache.StaticCompressor), in place: its row
     kv/gate [B, 1, c] goes into ring slot pos % ring (the gate plus the position bias ape[pos % ratio]),
     then its window is pooled (closed or not) into entry slot pos // ratio: a per-channel softmax over
     the window's slots (CSA, ring = 2 * ratio: the previous window's Ca half, channels :d, and this
     window's Cb half, channels d:), RMSNorm, RoPE with cos/sin [B, 1, rd/2] of the window's first
-    position. `pos` is a [1] device tensor: no host sync, so a CUDA graph can hold it."""
+    position; valid [B, slots] (bool) marks the entry visible when this token closes its window. `pos` is a
+    [1] device tensor: no host sync, so a CUDA graph can hold it."""
     acc = ring_kv.dtype
     ring, d, r = ring_kv.shape[1], entries.shape[-1], ratio
     ring_kv.index_copy_(1, pos % ring, kv.to(acc))
@@ -171,13 +188,39 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, r
     pooled = (kvs * torch.softmax(gs, dim=1)).sum(1, keepdim=True)  # [B, 1, d]
     pooled = rms_norm(pooled.to(entries.dtype), norm, eps)
     entries.index_copy_(1, w, rope(pooled.unsqueeze(2), cos, sin).squeeze(2))
+    valid.index_copy_(1, w, ((pos + 1) % r == 0).expand(valid.shape[0], 1))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    """Clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32 (fp64), rounded once."""
+    acc = _acc(gate.dtype)
+    g, u = gate.to(acc), up.to(acc)
     if limit and limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return torch.nn.functional.silu(gate) * up
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u).to(gate.dtype)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str, scale: float,
+          fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE routing of router logits [T, E] (fp32 or fp64): scores by `scoring` (sqrtsoftplus, sigmoid or
+    softmax), the experts = top-k of scores + bias (ties to the lower id, `topk`) unless `fixed` [T, k] gives
+    them (hash routing, forced selections), weights = their scores normalized to sum 1, times `scale`.
+    Returns (experts [T, k] int64, weights [T, k] in the logits' dtype, margin [T]: inf when fixed)."""
+    if scoring == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits).sqrt()
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "softmax":
+        scores = logits.softmax(-1)
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r}: use sqrtsoftplus, sigmoid or softmax")
+    if fixed is None:
+        idx, margin = topk(scores if bias is None else scores + bias.to(scores.dtype), k)
+    else:
+        idx = fixed.reshape(-1, k).long()
+        margin = torch.full(idx.shape[:1], float("inf"), dtype=scores.dtype, device=scores.device)
+    weights = scores.gather(-1, idx)
+    return idx, weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale, margin
 
 
 def moe_experts(

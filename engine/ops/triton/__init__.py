@@ -144,7 +144,7 @@ FP8_STREAM_MAX_M = 1
 FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None}  # H200 runs 7-8
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
 MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2}  # H200 run 8
-ATTN_CHUNK = 0  # keys per split in decode attention (0: 256, split only when too few programs)
+ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -282,9 +282,9 @@ def _one_token_tables(k: int, device: torch.device) -> tuple[torch.Tensor, torch
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    if t == 1 and MOE_STREAM["on"]:  # one token: block j is pair j (no sort needed; repeats are fine)
-        zero, pairs, ends = _one_token_tables(topk, idx.device)
-        return (1, zero, pairs, idx.reshape(-1).to(torch.int32), pairs, ends, topk)
+    if t == 1 and MOE_STREAM["on"]:  # one token: block j is pair j (no sort needed; repeats are fine); the
+        zero, pairs, ends = _one_token_tables(topk, idx.device)  # kernels read the expert ids as they are
+        return (1, zero, pairs, idx.reshape(-1), pairs, ends, topk)
     bm = 16 if t * topk <= 16 * n_experts else 64
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
@@ -373,7 +373,7 @@ DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the h
 
 def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in x.dtype;
-    split along K (partials added in split order) when W has too few rows to fill the GPU."""
+    split along K (partials added in split order, in the same launch) when W has too few rows to fill the GPU."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m, n = x2.shape[0], w.data.shape[0]
@@ -385,31 +385,51 @@ def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // blocks))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
-    y = _empty(split, m, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    launch("dense_gemv_kernel", (blocks, split), x2, wd, y, m, n, k, chunk, x2.stride(0), wd.stride(0),
-           y.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=DENSE_GEMV["num_warps"])
-    y = y[0] if split == 1 else _sum_splits(y, x.dtype)
+    y = _empty(m, n, dtype=x.dtype, device=x.device)
+    part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    launch("dense_gemv_kernel", (blocks, split), x2, wd, y, part, _locks(x.device, blocks if split > 1 else 0), m, n,
+           k, chunk, split,
+           x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+           SPLIT=split > 1, num_warps=DENSE_GEMV["num_warps"])
     return y.reshape(*lead, n)
 
 
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+LOCKS = 4096  # split launches have fewer than MIN_PROGRAMS tiles (they split because of that)
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the in-kernel split sums (`_split_sum` leaves them zero again): one
+    buffer per device, made once and never freed (a captured CUDA graph keeps its address)."""
+    if n > LOCKS:
+        raise ValueError(f"a split launch with {n} tiles: more than the {LOCKS} arrival counters")
+    if device not in _LOCKS:
+        _LOCKS[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
+    return _LOCKS[device]
+
+
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
-                  entries: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  pos: torch.Tensor, ratio: int, eps: float) -> None:
+                  entries: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, pos: torch.Tensor, ratio: int, eps: float) -> None:
     """One decode token through a compressor's fixed buffers (as reference.compress_step): two launches,
-    the ring write + window pooling over (batch, channel blocks), then norm + RoPE per batch row."""
+    the ring write + window pooling over (batch, channel blocks), then norm + RoPE per batch row. kv and
+    gate are read in their own dtype (e.g. bf16 views of one joined projection)."""
     if _use_reference(entries, ring_kv) or ring_kv.dtype != torch.float32:
-        return _ref.compress_step(kv, gate, ring_kv, ring_gate, entries, ape, norm, cos, sin, pos, ratio, eps)
+        return _ref.compress_step(kv, gate, ring_kv, ring_gate, entries, valid, ape, norm, cos, sin, pos, ratio, eps)
     b, ring, c = ring_kv.shape
     d, half = entries.shape[-1], cos.shape[-1]
-    kv2, g2 = kv.reshape(b, c).float().contiguous(), gate.reshape(b, c).float().contiguous()
+    kv2, g2 = kv.reshape(b, c), gate.reshape(b, c)
+    if kv2.stride() != g2.stride() or kv2.stride(-1) != 1:
+        kv2, g2 = kv2.contiguous(), g2.contiguous()
     bc = 64 if ring > 16 else 128
     launch = _Launch(entries)
     launch("compress_pool_kernel", (b, triton_cdiv(d, bc)), kv2, g2, ring_kv, ring_gate, ape.float().contiguous(),
            entries, pos, c, d, kv2.stride(0), ring_kv.stride(0), ring_kv.stride(1), entries.stride(0),
            entries.stride(1), R=ratio, RING=ring, NSLOT=_pow2(ring, 2), BLOCK_C=bc, num_warps=4)
-    launch("compress_finish_kernel", (b,), entries, norm.contiguous(), cos.reshape(b, half).contiguous(),
+    v8 = valid.view(torch.uint8)
+    launch("compress_finish_kernel", (b,), entries, v8, norm.contiguous(), cos.reshape(b, half).contiguous(),
            sin.reshape(b, half).contiguous(), pos, d, half, float(eps), entries.stride(0), entries.stride(1),
-           R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
+           v8.stride(0), R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
 TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # the router (6 of 256); the indexer's top-512 stays a device sort
@@ -431,13 +451,50 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.reshape(*lead, k), margin.reshape(lead)
 
 
-def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC before a block (as reference.hc_pre): a split-K mix launch, then one launch per row for the
-    Sinkhorn split and the collapse."""
-    if _use_reference(h):
-        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
-    lead, d = h.shape[:-2], h.shape[-1]
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str, scale: float,
+          fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE routing (as reference.route): one program per token for scores, top-k, weights and margin."""
+    t, e = logits.shape
+    if k > TOPK_MAX_K or e > TOPK_MAX_WIDTH or k > e or logits.dtype != torch.float32 or not t \
+            or _use_reference(logits):
+        return _ref.route(logits, bias, k, scoring, scale, fixed)
+    lc = logits.contiguous()
+    idx = _empty(t, k, dtype=torch.int64, device=lc.device)
+    wts = _empty(t, k, dtype=torch.float32, device=lc.device)
+    margin = _empty(t, dtype=torch.float32, device=lc.device)
+    fx = lc if fixed is None else fixed.reshape(t, k).contiguous()
+    _Launch(lc)("route_kernel", (t,), lc, lc if bias is None else bias.float().contiguous(), fx, idx, wts, margin,
+                e, lc.stride(0), float(scale), K=k, KP=_pow2(k, 2), SCORING=SCORING[scoring], HAS_BIAS=bias is not None,
+                FIXED=fixed is not None, HAS_NEXT=e > k, BLOCK_W=_pow2(e), num_warps=4)
+    return idx, wts, margin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU (as reference.swiglu) in one launch; gate and up may be row-strided views of one tensor."""
+    if _use_reference(gate, up):
+        return _ref.swiglu(gate, up, limit)
+    i = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, i), up.reshape(-1, i)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    y = _empty(g2.shape[0], i, dtype=gate.dtype, device=gate.device)
+    bl = 1024
+    _Launch(gate)("swiglu_kernel", (g2.shape[0], triton_cdiv(i, bl)), g2, u2, y, i, float(limit or 0.0), g2.stride(0),
+                  u2.stride(0), y.stride(0), HAS_LIMIT=bool(limit and limit > 0), BLOCK=bl, num_warps=4)
+    return y.reshape(gate.shape)
+
+
+HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
+
+
+def _hc_collapse(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                 norm_eps: float, hc_eps: float, head: bool):
+    """Two launches: the split-K mix of the streams h [..., n, D] with fn, then per (row, D block) the mHC
+    weights and the collapsed input. Returns (post, comb, x) flattened over rows (post, comb None if head)."""
+    d = h.shape[-1]
     h2 = h.reshape(-1, n * d).contiguous()
     rows, k = h2.shape
     fn = fn.float().contiguous()
@@ -450,13 +507,35 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     launch = _Launch(h)
     launch("hc_mix_partial_kernel", (rows, split), h2, fn, part, k, chunk, mix, h2.stride(0), fn.stride(0),
            part.stride(0), PW=pw, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
-    post = _empty(rows, n, dtype=torch.float32, device=h.device)
-    comb = _empty(rows, n, n, dtype=torch.float32, device=h.device)
-    x = _empty(rows, d, dtype=h.dtype, device=h.device)
-    launch("hc_pre_kernel", (rows,), part, h2, base.float().contiguous(), scale.float().contiguous(), post, comb, x,
-           n, d, split, iters, float(norm_eps), float(hc_eps), part.stride(0), h2.stride(0), x.stride(0),
-           PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=min(1024, _pow2(d)), num_warps=4)
+    post = None if head else _empty(rows, n, dtype=torch.float32, device=h.device)
+    comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h.device)
+    x = _empty(rows, d, dtype=torch.float32 if head else h.dtype, device=h.device)  # the head's input: fp32
+    bd = min(HC_BLOCK_D, _pow2(d))
+    launch("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h2, base.float().contiguous(), scale.float().contiguous(),
+           x if head else post, x if head else comb, x, n, d, split, iters, float(norm_eps), float(hc_eps),
+           part.stride(0), h2.stride(0), x.stride(0), PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd,
+           HEAD=head, num_warps=4)
+    return post, comb, x
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC before a block (as reference.hc_pre): a split-K mix launch, then the Sinkhorn split and the
+    collapse over (row, D block) programs."""
+    if _use_reference(h):
+        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
+    lead, d = h.shape[:-2], h.shape[-1]
+    post, comb, x = _hc_collapse(h, fn, base, scale, n, iters, norm_eps, hc_eps, head=False)
     return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
+
+
+def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """The model head's mHC collapse (as reference.hc_head): hc_pre's two launches without post and comb."""
+    if _use_reference(h):
+        return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps)
+    lead, (n, d) = h.shape[:-2], h.shape[-2:]
+    return _hc_collapse(h, fn, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
 
 
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -468,7 +547,7 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     o2 = out.reshape(-1, d).contiguous()
     rows = h2.shape[0]
     y = _empty(rows, n * d, dtype=h.dtype, device=h.device)
-    bd = min(1024, _pow2(d))
+    bd = min(HC_BLOCK_D, _pow2(d))
     _Launch(h)("hc_post_kernel", (rows, triton_cdiv(d, bd)), o2, h2, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, n, d, o2.stride(0), h2.stride(0), y.stride(0),
                NP=_pow2(n, 2), BLOCK_D=bd, num_warps=4)
@@ -502,10 +581,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     y = _empty(*xc.shape, dtype=xc.dtype, device=xc.device)
     c = cos.expand(b, s, half).contiguous()
     sn = sin.expand(b, s, half).contiguous()
-    _Launch(x)("rope_kernel", (b * s,), xc, c, sn, y, h, d, half, -1.0 if inverse else 1.0,
-               BLOCK_H=_pow2(h, 1), BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1),
-               num_warps=4)
+    bh = _pow2(h, 1)
+    while bh > 1 and b * s * triton_cdiv(h, bh) < MIN_PROGRAMS // 2:
+        bh //= 2  # a decode token: its heads over many programs
+    _Launch(x)("rope_kernel", (b * s, triton_cdiv(h, bh)), xc, c, sn, y, h, d, half, -1.0 if inverse else 1.0,
+               BLOCK_H=bh, BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1), num_warps=4)
     return y
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., half] (float64) of positions [...] x inv_freq [half] (as reference.rope_cos_sin)."""
+    if positions.device.type == "cpu" and not positions.numel():
+        return _ref.rope_cos_sin(positions, inv_freq)
+    pos = positions.reshape(-1).contiguous()
+    n, half = pos.numel(), inv_freq.numel()
+    cos = _empty(n, half, dtype=torch.float64, device=pos.device)
+    sin = _empty(n, half, dtype=torch.float64, device=pos.device)
+    bn = 16
+    _Launch(pos)("rope_cos_sin_kernel", (triton_cdiv(n, bn),), pos, inv_freq.to(torch.float64).contiguous(), cos, sin,
+                 n, half, BLOCK_N=bn, BLOCK_R=_pow2(half, 1), num_warps=4)
+    return cos.reshape(*positions.shape, half), sin.reshape(*positions.shape, half)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -533,9 +628,12 @@ def attention(
             o.stride(0), o.stride(1), o.stride(2))
     meta = dict(BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
     hb = triton_cdiv(h, bh)
-    chunk = ATTN_CHUNK or max(bl, 256)
+    few = b * s * hb < MIN_PROGRAMS // 2  # too few programs to fill the GPU: split the keys (at most 256 each)
+    chunk = ATTN_CHUNK or 256
+    if few and not ATTN_CHUNK:
+        chunk = min(256, triton_cdiv(triton_cdiv(ln, triton_cdiv(MIN_PROGRAMS // 2, b * s * hb)), bl) * bl)
     n_split = triton_cdiv(ln, chunk)
-    if n_split > 1 and (ATTN_CHUNK or b * s * hb < 132):  # too few programs to fill the GPU: split the keys
+    if n_split > 1 and (ATTN_CHUNK or few):
         part = _empty(b, s, n_split, h, d, dtype=torch.float32, device=q.device)
         ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
         launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
@@ -566,5 +664,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "compress_step", "rope", "attention", "topk",
-           "index_scores", "moe_experts", "moe_blocks"]
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_head", "compress_step", "rope",
+           "rope_cos_sin", "attention", "topk", "route", "swiglu", "index_scores", "moe_experts", "moe_blocks"]

@@ -9,7 +9,8 @@ Portability rules kept here (DESIGN.md sections 4 and 6):
 - Every dot and reduction accumulates in fp32; fp32 operands use `input_precision="ieee"` (no tf32).
 - No lane-count literal: block sizes are constexpr and Triton maps them onto num_warps x 32 (CUDA) or
   num_warps x 64 (gfx90a) lanes.
-- Deterministic: no atomics; split work is combined in a fixed order.
+- Deterministic: no float atomics; split work is combined in a fixed order (`_split_sum` counts arrivals with
+  integer atomics, and the last split adds all partials in split order).
 """
 
 from __future__ import annotations
@@ -389,12 +390,13 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 @triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, HALF, SIGN,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One (b, s) position per program, all heads: copy the non-RoPE dims, rotate interleaved pairs.
+    """Program (b, s position, head block): copy the non-RoPE dims, rotate interleaved pairs. Heads are split
+    over programs so one decode token's 64 heads spread over the GPU (one program per position held them all).
 
     x, y contiguous [B*S, H, D]; cos/sin contiguous [B*S, HALF]; SIGN = -1 for the inverse rotation.
     """
     p = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     row = p * H * D + offs_h[:, None] * D
     nope = D - 2 * HALF
@@ -411,6 +413,20 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, HALF, SIGN,
     x1 = tl.load(x_ptr + even + 1, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + even, (x0 * c - x1 * s).to(y_ptr.dtype.element_ty), mask=m)
     tl.store(y_ptr + even + 1, (x0 * s + x1 * c).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """cos/sin [N, HALF] of angle = position x inverse frequency, all in float64 (positions reach 1M: an fp32
+    angle would be off by radians); one launch for what took a cast, a product and two functions."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    ok = (n < N)[:, None] & (r < HALF)[None, :]
+    ang = tl.load(pos_ptr + n, mask=n < N, other=0).to(tl.float64)[:, None] * tl.load(inv_ptr + r, mask=r < HALF,
+                                                                                       other=0.0)[None, :]
+    at = n.to(tl.int64)[:, None] * HALF + r[None, :]
+    tl.store(cos_ptr + at, tl.cos(ang), mask=ok)
+    tl.store(sin_ptr + at, tl.sin(ang), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -566,31 +582,51 @@ def sum_splits_kernel(part_ptr, y_ptr, SPLIT, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, K_CHUNK, stride_xm, stride_wn, stride_ym, stride_ys,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at):
+    """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
+    itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
+    partials in split order 0..n-1, writes the result and resets the lock for the next launch (or replay).
+    The barrier orders all threads' partial stores before the release (the usual semaphore pattern)."""
+    tl.store(part_at + split * part_stride, y, mask=ok)
+    tl.debug_barrier()
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
+        tot = tl.load(part_at, mask=ok, other=0.0)
+        for j in range(1, n_split):
+            tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
+        tl.store(out_at, tot.to(out_at.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
+def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK, n_split, stride_xm, stride_wn,
+                      stride_ym, stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT: tl.constexpr):
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
     stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
     only the summation order differs). The reference would first write a float32 copy of W.
-    Program (n, s) covers K from s * K_CHUNK and writes y + s * stride_ys: narrow W (the router's 256 rows)
-    is split along K so it still spreads over the SMs; the host adds the splits in order."""
+    SPLIT: program (n, s) covers K from s * K_CHUNK (narrow W, e.g. the router's 256 rows, still spreads over
+    the SMs) and the splits are added in order by the last one to finish (`_split_sum`)."""
     pid = tl.program_id(0)
-    k_base = tl.program_id(1) * K_CHUNK
+    split = tl.program_id(1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     for k0 in range(0, K_CHUNK, BLOCK_K):
-        rk = k_base + k0 + tl.arange(0, BLOCK_K)
+        rk = split * K_CHUNK + k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         w = tl.load(w_row + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)
-    y_base = y_ptr + tl.program_id(1).to(tl.int64) * stride_ys
-    tl.store(y_base + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    out_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT:
+        _split_sum(y, part_ptr + rm[:, None] * N + rn[None, :], out_at, ok, split, n_split, stride_ps, lock_ptr + pid)
+    else:
+        tl.store(out_at, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -608,9 +644,10 @@ def compress_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rg_ptr, ape_ptr, ent_ptr, po
     slot, j, w = p % RING, p % R, p // R
     for half in tl.static_range(RING // R):  # the channel ranges this program owns: [rd] and, for CSA, [D + rd]
         ch = rd + half * D
-        g = tl.load(gate_ptr + b * stride_kb + ch, mask=d_ok) + tl.load(ape_ptr + j * C + ch, mask=d_ok)
-        tl.store(rkv_ptr + b * stride_rb + slot * stride_rs + ch, tl.load(kv_ptr + b * stride_kb + ch, mask=d_ok),
-                 mask=d_ok)
+        g = tl.load(gate_ptr + b * stride_kb + ch, mask=d_ok).to(tl.float32) + tl.load(ape_ptr + j * C + ch,
+                                                                                       mask=d_ok)
+        row_kv = tl.load(kv_ptr + b * stride_kb + ch, mask=d_ok).to(tl.float32)
+        tl.store(rkv_ptr + b * stride_rb + slot * stride_rs + ch, row_kv, mask=d_ok)
         tl.store(rg_ptr + b * stride_rb + slot * stride_rs + ch, g, mask=d_ok)
     tl.debug_barrier()  # the loads below read the slot just written (same program, other threads)
     s = tl.arange(0, NSLOT)
@@ -632,12 +669,15 @@ def compress_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rg_ptr, ape_ptr, ent_ptr, po
 
 
 @triton.jit
-def compress_finish_kernel(ent_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, D, HALF, EPS, stride_eb, stride_es,
-                           R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+def compress_finish_kernel(ent_ptr, valid_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, D, HALF, EPS, stride_eb,
+                           stride_es, stride_vb, R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """compress_step, part 2, one program per batch row: RMSNorm (fp32 statistics) of entry pos // R, rounded
-    to the entries' dtype as the reference's norm output is, then RoPE of its last 2 * HALF dims."""
+    to the entries' dtype as the reference's norm output is, then RoPE of its last 2 * HALF dims; the entry's
+    valid flag (uint8) set when this token closes the window."""
     b = tl.program_id(0).to(tl.int64)
-    row = ent_ptr + b * stride_eb + (tl.load(pos_ptr) // R) * stride_es
+    p = tl.load(pos_ptr)
+    tl.store(valid_ptr + b * stride_vb + p // R, ((p + 1) % R == 0).to(tl.uint8))
+    row = ent_ptr + b * stride_eb + (p // R) * stride_es
     rd = tl.arange(0, BLOCK_D)
     ok = rd < D
     x = tl.load(row + rd, mask=ok, other=0.0).to(tl.float32)
@@ -692,6 +732,74 @@ def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
 
 
 @triton.jit
+def _softplus(v):
+    """log(1 + e^v) as torch computes it (v above 20 passes through), with log1p's accuracy for tiny e^-|v|."""
+    t = tl.exp(-tl.abs(v))
+    lp = tl.where(t < 1e-4, t * (1.0 - 0.5 * t), tl.log(1.0 + t))
+    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + lp)
+
+
+@triton.jit
+def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stride_l, scale,
+                 K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 FIXED: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token's MoE routing in one launch (it was ten small ones): scores of the router logits (SCORING 0
+    sqrt(softplus), 1 sigmoid, 2 softmax), the experts (top-K of score + bias, ties to the lower id, as
+    topk_kernel; FIXED: given, for hash routing), their scores normalized to sum 1 times `scale`, the margin."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < W
+    v = tl.load(l_ptr + row * stride_l + w, mask=ok, other=0.0).to(tl.float32)
+    if SCORING == 0:
+        sc = tl.sqrt(_softplus(v))
+    elif SCORING == 1:
+        sc = tl.sigmoid(v)
+    else:
+        e = tl.exp(tl.where(ok, v, float("-inf")) - tl.max(tl.where(ok, v, float("-inf")), axis=0))
+        sc = e / tl.sum(e, axis=0)
+    sel = sc
+    if HAS_BIAS:
+        sel = sc + tl.load(bias_ptr + w, mask=ok, other=0.0).to(tl.float32)
+    nan = sel != sel
+    free = ok
+    kk = tl.arange(0, KP)
+    picked = tl.zeros([KP], dtype=tl.int64)
+    wk = tl.zeros([KP], dtype=tl.float32)
+    kth = 0.0
+    for t in tl.static_range(K):
+        if FIXED:
+            i = tl.load(fixed_ptr + row * K + t).to(tl.int32)
+        else:
+            kth, i = _top1(sel, nan, free, w, BLOCK_W)
+            free = free & (w != i)
+        picked = tl.where(kk == t, i.to(tl.int64), picked)
+        wk = tl.where(kk == t, tl.sum(tl.where(w == i, sc, 0.0), axis=0), wk)
+    wk = wk / (tl.sum(wk, axis=0) + 1e-20) * scale
+    tl.store(idx_ptr + row * K + kk, picked, mask=kk < K)
+    tl.store(w_ptr + row * K + kk, wk, mask=kk < K)
+    if HAS_NEXT and not FIXED:
+        margin = kth - _top1(sel, nan, free, w, BLOCK_W)[0]
+    else:
+        margin = float("inf")
+    tl.store(margin_ptr + row, margin)
+
+
+@triton.jit
+def swiglu_kernel(g_ptr, u_ptr, y_ptr, I, limit, stride_g, stride_u, stride_y,
+                  HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = silu(min(g, limit)) * clamp(u, -limit, limit) in fp32, rounded once to y's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < I
+    g = tl.load(g_ptr + row * stride_g + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(y_ptr + row * stride_y + c, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p,
                           PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams with every fn row over
@@ -719,45 +827,48 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stri
 @triton.jit
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
                   N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x,
-                  PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row per program, fp32: the mix (splits summed in order, times the streams' inverse RMS), then
+                  PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD: tl.constexpr = False):
+    """Program (row, D block), fp32: the mix (splits summed in order, times the streams' inverse RMS), then
     pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax and ITERS alternating column/row
-    normalizations (Sinkhorn), then the collapsed block input sum_k pre_k h_k in h's dtype."""
+    normalizations (Sinkhorn), then this block of the collapsed block input sum_k pre_k h_k in h's dtype.
+    Every D block recomputes the (tiny) weights so the collapse spreads over the GPU; block 0 stores post
+    and comb. HEAD: the model head's mHC (the mix is pre only; no post, no comb)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
-    ok2 = ok[:, None] & ok[None, :]
-    ij = i[:, None] * N + i[None, :]
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
     m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
-    m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
-    m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
-                            mask=sp_ok[:, None, None] & ok2[None, :, :], other=0.0), axis=0)
     ss = tl.sum(tl.load(part + PW - 1, mask=sp_ok, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
-    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
-    post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + N + i, mask=ok, other=0.0))
-    c = m_comb * r * s2 + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
-    c = tl.where(ok2, c, tl.where(ok[:, None], float("-inf"), 0.0))  # padded columns get no mass
-    e = tl.exp(c - tl.max(c, axis=1)[:, None])
-    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + HC_EPS, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
-    for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
+    pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
+    if not HEAD:
+        ok2 = ok[:, None] & ok[None, :]
+        ij = i[:, None] * N + i[None, :]
+        m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
+                        axis=0)
+        m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
+                                mask=sp_ok[:, None, None] & ok2[None, :, :], other=0.0), axis=0)
+        post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=ok, other=0.0))
+        c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
+        c = tl.where(ok2, c, tl.where(ok[:, None], float("-inf"), 0.0))  # padded columns get no mass
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + HC_EPS, 0.0)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
-    tl.store(post_ptr + row * N + i, post, mask=ok)
-    tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
+        if tl.program_id(1) == 0:
+            tl.store(post_ptr + row * N + i, post, mask=ok)
+            tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
     pre = tl.where(ok, pre, 0.0)
-    for d0 in range(0, D, BLOCK_D):
-        rd = d0 + tl.arange(0, BLOCK_D)
-        d_ok = rd < D
-        hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        tl.store(x_ptr + row * stride_x + rd, tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty),
-                 mask=d_ok)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = rd < D
+    hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * stride_x + rd, tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -833,6 +944,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("rope", rope_kernel,
      _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp64 *fp64 *bf16 i32 i32 i32 fp32",
           BLOCK_H=64, BLOCK_D=512, BLOCK_R=32), 4, False),
+    ("rope_cos_sin", rope_cos_sin_kernel,
+     _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF", "*i64 *fp64 *fp64 *fp64 i32 i32", BLOCK_N=16, BLOCK_R=32), 4,
+     False),
     ("attention", attention_kernel,
      _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None,
           ml_ptr=None), 8, True),
@@ -846,8 +960,13 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
     ("sum_splits", sum_splits_kernel, _sig("part_ptr y_ptr SPLIT N", "*fp32 *bf16 i32 i32", BLOCK=1024), 4, False),
     ("dense_gemv", dense_gemv_kernel,
-     _sig("x_ptr w_ptr y_ptr M N K K_CHUNK stride_xm stride_wn stride_ym stride_ys",
-          "*fp32 *bf16 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 2, False),
+     _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
+          "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+          SPLIT=False), 2, False),
+    ("dense_gemv_split", dense_gemv_kernel,  # the in-kernel split-K sum (integer atomics, fixed order)
+     _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
+          "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+          SPLIT=True), 2, False),
     ("compress_pool", compress_pool_kernel,
      _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
           "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
@@ -857,20 +976,35 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
           R=4, RING=8, NSLOT=8, BLOCK_C=64), 4, False),
     ("compress_finish", compress_finish_kernel,
-     _sig("ent_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es",
-          "*bf16 *bf16 *fp64 *fp64 *i64 i32 i32 fp32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
+     _sig("ent_ptr valid_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es stride_vb",
+          "*bf16 *u8 *bf16 *fp64 *fp64 *i64 i32 i32 fp32 i32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("topk", topk_kernel, _sig("s_ptr idx_ptr margin_ptr W stride_s", "*fp32 *i64 *fp32 i32 i32", K=6, HAS_NEXT=True,
                                BLOCK_W=256), 4, False),
+    ("route", route_kernel,
+     _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
+          "*fp32 *fp32 *fp32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=True, FIXED=False,
+          HAS_NEXT=True, BLOCK_W=256), 4, False),
+    ("route_hash", route_kernel,  # hash layers: the experts come from the token-id table
+     _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
+          "*fp32 *fp32 *i32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=False, FIXED=True,
+          HAS_NEXT=True, BLOCK_W=256), 4, False),
+    ("swiglu", swiglu_kernel,
+     _sig("g_ptr u_ptr y_ptr I limit stride_g stride_u stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32 i32",
+          HAS_LIMIT=True, BLOCK=1024), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p", "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32",
           PW=25, MIXP=32, BLOCK_K=128), 4, False),
     ("hc_pre", hc_pre_kernel,
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
-          PW=25, NP=4, SPLITP=128, BLOCK_D=1024), 4, False),
+          PW=25, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False), 4, False),
+    ("hc_head", hc_pre_kernel,  # the model head's collapse: pre weights only, fp32 out
+     _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
+          "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
+          PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 4, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr N D stride_o stride_h stride_y",
-          "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=1024), 4, False),
+          "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=256), 4, False),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above).
