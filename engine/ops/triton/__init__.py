@@ -170,13 +170,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
             split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
         chunk = triton_cdiv(triton_cdiv(k, split), step) * step
         split = triton_cdiv(k, chunk)
-        out = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
-        args = (*args[:3], out, *args[4:11], out.stride(-3), out.stride(-2), chunk, out.stride(0))
-        launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, BLOCK_N=bn, BLOCK_K=bk,
-               HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform, UNROLL=c["UNROLL"],
-               SPLIT=split, num_warps=c["num_warps"])
-        if split > 1:
-            y = _sum_splits(out, x.dtype)
+        part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
+        launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
+               BLOCK_N=bn, BLOCK_K=bk, HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform,
+               UNROLL=c["UNROLL"], SPLIT=split, num_warps=c["num_warps"])
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -200,14 +198,6 @@ def _hw_fp8(t: torch.Tensor) -> bool:
     if t.device.type != "cuda" or torch.version.hip is not None:
         return False
     return _hw_fp8_on(t.device)
-
-
-def _sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[S, ...] fp32 split-K partials -> [...] in `dtype`, summed in split order (one launch)."""
-    y = _empty(*part.shape[1:], dtype=dtype, device=part.device)
-    n = y.numel()
-    _Launch(part)("sum_splits_kernel", (triton_cdiv(n, 1024),), part, y, part.shape[0], n, BLOCK=1024, num_warps=4)
-    return y
 
 
 def triton_cdiv(a: int, b: int) -> int:

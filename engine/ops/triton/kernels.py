@@ -88,6 +88,22 @@ def fp8_matmul_kernel(
 
 
 @triton.jit
+def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at):
+    """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
+    itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
+    partials in split order 0..n-1, writes the result and resets the lock for the next launch (or replay).
+    The barrier orders all threads' partial stores before the release (the usual semaphore pattern)."""
+    tl.store(part_at + split * part_stride, y, mask=ok)
+    tl.debug_barrier()
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
+        tot = tl.load(part_at, mask=ok, other=0.0)
+        for j in range(1, n_split):
+            tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
+        tl.store(out_at, tot.to(out_at.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
 def _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0, K, r_ok,
                      BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr):
     """acc[BN, BK] += W[:, k0:k0+BK] * (x * block scale): one FMA per weight."""
@@ -111,7 +127,7 @@ def _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0, K, r_ok,
 def fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, R, K,
-    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, stride_ys,
+    stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, part_ptr, lock_ptr, stride_ps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
     UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
 ):
@@ -124,7 +140,8 @@ def fp8_stream_kernel(
     HW (sm_90): E4M3 -> fp32 by the hardware conversion (cvt.rn.f16x2.e4m3x2); else the exact bit decode
     (gfx90a has no FP8 hardware). UNROLL = 2: two tiles per iteration, both loads issued before either is used.
     SPLIT > 1 (narrow W: too few row tiles to fill the GPU): program (n, m * SPLIT + s, g) covers K from
-    s * K_CHUNK and writes its fp32 partial at y + s * stride_ys; the host adds the splits in order.
+    s * K_CHUNK; the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides) are added in split order by
+    the last split to finish (`_split_sum`), in the same launch.
     """
     pid_n = tl.program_id(0)
     m = tl.program_id(1) // SPLIT
@@ -144,8 +161,12 @@ def fp8_stream_kernel(
             acc = _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0 + u * BLOCK_K, K, r_ok, BLOCK_K, HW,
                                    UNIFORM)
     y = tl.sum(acc, axis=1)
-    y_base = y_ptr + split.to(tl.int64) * stride_ys + m * stride_ym + g * stride_yg
-    tl.store(y_base + offs_r, y.to(y_ptr.dtype.element_ty), mask=r_ok)
+    at = m * stride_ym + g * stride_yg + offs_r
+    if SPLIT > 1:
+        tile = pid_n + tl.num_programs(0) * (m + M * g)
+        _split_sum(y, part_ptr + at, y_ptr + at, r_ok, split, SPLIT, stride_ps, lock_ptr + tile)
+    else:
+        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -570,34 +591,6 @@ def index_scores_kernel(
 
 
 @triton.jit
-def sum_splits_kernel(part_ptr, y_ptr, SPLIT, N, BLOCK: tl.constexpr):
-    """y[i] = sum of part[s, i] over the split-K partials s = 0, 1, ... in order (fp32), in y's dtype: one
-    launch for the reduction and the cast, deterministic."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(part_ptr + s * N + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at):
-    """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
-    itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
-    partials in split order 0..n-1, writes the result and resets the lock for the next launch (or replay).
-    The barrier orders all threads' partial stores before the release (the usual semaphore pattern)."""
-    tl.store(part_at + split * part_stride, y, mask=ok)
-    tl.debug_barrier()
-    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
-        tot = tl.load(part_at, mask=ok, other=0.0)
-        for j in range(1, n_split):
-            tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
-        tl.store(out_at, tot.to(out_at.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(lock_at, 0)
-
-
-@triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK, n_split, stride_xm, stride_wn,
                       stride_ym, stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT: tl.constexpr):
@@ -905,7 +898,7 @@ def _sig(names: str, types: str, **const: object) -> tuple[dict[str, str], dict[
 
 _FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym stride_yg",
              "*bf16 *u8 *u8 *bf16 i32 i32 i32 i32 i32 i32 i32 i32 i32")
-_FP8_STREAM_ARGS = (_FP8_ARGS[0] + " K_CHUNK stride_ys", _FP8_ARGS[1] + " i32 i32")
+_FP8_STREAM_ARGS = (_FP8_ARGS[0] + " K_CHUNK part_ptr lock_ptr stride_ps", _FP8_ARGS[1] + " i32 *fp32 *i32 i32")
 _MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr I D limit "
            "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
            "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
@@ -958,7 +951,6 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=512), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
-    ("sum_splits", sum_splits_kernel, _sig("part_ptr y_ptr SPLIT N", "*fp32 *bf16 i32 i32", BLOCK=1024), 4, False),
     ("dense_gemv", dense_gemv_kernel,
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
