@@ -437,7 +437,7 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = _empty(s2.shape[0], k, dtype=torch.int64, device=scores.device)
     margin = _empty(s2.shape[0], dtype=torch.float32, device=scores.device)
     _Launch(scores)("topk_kernel", (s2.shape[0],), s2, idx, margin, w, s2.stride(0), K=k, HAS_NEXT=w > k,
-                    BLOCK_W=_pow2(w), num_warps=4)
+                    BLOCK_W=_pow2(w), num_warps=1)  # k passes of reductions: within one warp, no barriers
     return idx.reshape(*lead, k), margin.reshape(lead)
 
 
@@ -458,7 +458,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
     fx = lc if fixed is None else fixed.reshape(t, k).contiguous()
     _Launch(lc)("route_kernel", (t,), lc, lc if bias is None else bias.float().contiguous(), fx, idx, wts, margin,
                 e, lc.stride(0), float(scale), K=k, KP=_pow2(k, 2), SCORING=SCORING[scoring], HAS_BIAS=bias is not None,
-                FIXED=fixed is not None, HAS_NEXT=e > k, BLOCK_W=_pow2(e), num_warps=4)
+                FIXED=fixed is not None, HAS_NEXT=e > k, BLOCK_W=_pow2(e), num_warps=1)  # reductions in one warp
     return idx, wts, margin
 
 
@@ -504,7 +504,7 @@ def _hc_collapse(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     launch("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h2, base.float().contiguous(), scale.float().contiguous(),
            x if head else post, x if head else comb, x, n, d, split, iters, float(norm_eps), float(hc_eps),
            part.stride(0), h2.stride(0), x.stride(0), PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd,
-           HEAD=head, num_warps=4)
+           HEAD=head, num_warps=1)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
     return post, comb, x
 
 
@@ -628,8 +628,9 @@ def attention(
         ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
         launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
                ml_ptr=ml, **meta)
-        launch("attention_combine_kernel", (s, b, hb), part, ml, args[2], o, s, h, d, n_split,
-               o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=_pow2(d), num_warps=4)
+        bd = min(_pow2(d), 64)
+        launch("attention_combine_kernel", (s, b, hb * triton_cdiv(d, bd)), part, ml, args[2], o, s, h, d, n_split,
+               o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, num_warps=4)
     else:
         launch("attention_kernel", (s, b, hb), *args, **meta)
     return o

@@ -531,11 +531,13 @@ def attention_kernel(
 @triton.jit
 def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split,
                              stride_ob, stride_os, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the splits of one (b, s) in the fixed order 0..n_split-1, with the sink in the denominator."""
+    """Merge the splits of one (b, s) in the fixed order 0..n_split-1, with the sink in the denominator.
+    Program (s, b, head block x D block): a decode token's merge spreads over the GPU."""
     s_idx = tl.program_id(0)
     b = tl.program_id(1)
-    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    n_d = tl.cdiv(D, BLOCK_D)
+    offs_h = (tl.program_id(2) // n_d) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = (tl.program_id(2) % n_d) * BLOCK_D + tl.arange(0, BLOCK_D)
     h_ok = offs_h < H
     hd_ok = h_ok[:, None] & (offs_d[None, :] < D)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
@@ -971,15 +973,15 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("ent_ptr valid_ptr norm_ptr cos_ptr sin_ptr pos_ptr D HALF EPS stride_eb stride_es stride_vb",
           "*bf16 *u8 *bf16 *fp64 *fp64 *i64 i32 i32 fp32 i32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("topk", topk_kernel, _sig("s_ptr idx_ptr margin_ptr W stride_s", "*fp32 *i64 *fp32 i32 i32", K=6, HAS_NEXT=True,
-                               BLOCK_W=256), 4, False),
+                               BLOCK_W=256), 1, False),
     ("route", route_kernel,
      _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
           "*fp32 *fp32 *fp32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=True, FIXED=False,
-          HAS_NEXT=True, BLOCK_W=256), 4, False),
+          HAS_NEXT=True, BLOCK_W=256), 1, False),
     ("route_hash", route_kernel,  # hash layers: the experts come from the token-id table
      _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
           "*fp32 *fp32 *i32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=False, FIXED=True,
-          HAS_NEXT=True, BLOCK_W=256), 4, False),
+          HAS_NEXT=True, BLOCK_W=256), 1, False),
     ("swiglu", swiglu_kernel,
      _sig("g_ptr u_ptr y_ptr I limit stride_g stride_u stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32 i32",
           HAS_LIMIT=True, BLOCK=1024), 4, False),
@@ -989,11 +991,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("hc_pre", hc_pre_kernel,
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
-          PW=25, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False), 4, False),
+          PW=25, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False), 1, False),
     ("hc_head", hc_pre_kernel,  # the model head's collapse: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
-          PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 4, False),
+          PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr N D stride_o stride_h stride_y",
           "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=256), 4, False),
