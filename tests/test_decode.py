@@ -164,3 +164,25 @@ def test_generate_with_a_reference_op_on_a_gpu_runs_without_a_graph(ckpt):
     assert not model.graph_safe()
     gen = model.generate(torch.randint(0, cfg.vocab_size, (1, 9)).cuda(), 4)
     assert gen.tokens.shape == (1, 4)
+
+
+X
+
+
+def test_decode_step_launch_budget(ckpt):
+    """The triton decode step's glue stays fused: its launches (Triton kernels plus torch ops that launch a
+    kernel on a GPU), counted on the CPU without running the kernels (the step is branch-free), stay under
+    budget. Each launch costs ~1.5-2 us of a CUDA-graph step on the H200 however small (bench/NOTES.md)."""
+    pytest.importorskip("triton")
+    from cdna2_engine.launches import count_launches
+
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float32, backend="triton")
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache()
+    model.step(ids, cache)
+    sc = model.static_cache(cache, 64)
+    calls = count_launches(lambda: model.decode(ids[:, -1:], sc), run_kernels=False)
+    kernels = [name for name, _ in calls if not name.startswith("aten.")]
+    assert "moe_gate_up_kernel" in kernels and "attention_kernel" in kernels  # it counted the triton path
+    assert len(calls) <= DECODE_LAUNCH_BUDGET, "\n".join(f"{n}  {line}" for n, line in calls)
