@@ -193,10 +193,9 @@ class Attention:
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         cos, sin = ctx.rope(self.rope, pos, B, S)
         qr = ops.rms_norm(ops.linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
-        q = ops.rms_norm(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps)
-        q = ops.rope(q, cos, sin)
-        kv = ops.rms_norm(ops.linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], eps)
-        kv = ops.rope(kv.unsqueeze(2), cos, sin).squeeze(2)  # [B, S, hd]
+        q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
+        kv = ops.linear(x, w[p + "wkv.weight"]).unsqueeze(2)
+        kv = ops.norm_rope(kv, w[p + "kv_norm.weight"], eps, cos, sin).squeeze(2)  # [B, S, hd]
         return q, kv, qr, cos, sin
 
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:

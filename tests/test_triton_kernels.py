@@ -141,6 +141,21 @@ def test_rope(dtype, inverse, b, h, d, half, min_programs, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("b,h,d,half", [(1, 3, 24, 4), (2, 5, 10, 5)])
+@pytest.mark.parametrize("min_programs", [tri.MIN_PROGRAMS, 2])
+def test_norm_rope(dtype, weighted, b, h, d, half, min_programs, monkeypatch):
+    """RMSNorm per head row then RoPE in one launch (q's unweighted norm, kv's weighted one)."""
+    monkeypatch.setattr(tri, "MIN_PROGRAMS", min_programs)
+    g = gen(550 + b * 7 + d + weighted)
+    x = (torch.randn(b, 3, h, d, generator=g) * 3).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype) if weighted else None
+    ang = torch.rand(b, 3, half, dtype=torch.float64, generator=g) * 6
+    want = ref.norm_rope(x.double(), None if w is None else w.double(), 1e-6, ang.cos(), ang.sin())
+    assert rel(tri.norm_rope(x, w, 1e-6, ang.cos(), ang.sin()), want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
                                                (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16), (2, 3, 5, 24, 37, -1),
                                                (2, 2, 40, 20, 19, -1)])

@@ -22,6 +22,7 @@ OP_NAMES = (
     "hc_head",
     "compress_step",
     "rope",
+    "norm_rope",
     "rope_cos_sin",
     "attention",
     "index_scores",

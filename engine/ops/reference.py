@@ -68,6 +68,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of each head row of x [B, S, H, D] (weight None: unweighted), then RoPE: q's and kv's path."""
+    return rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [..., half] of positions [...] times inv_freq [half], in float64 (positions reach 1M: an fp32
     angle would be off by whole radians); `rope` casts them to its compute dtype."""

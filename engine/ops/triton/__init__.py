@@ -565,6 +565,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     """Interleaved-pair RoPE on the last 2*cos.shape[-1] dims of x [B, S, H, D]; inverse rotates by -angle."""
     if _use_reference(x):  # cos/sin arrive in float64 (positions up to 1M): the kernel reads them as they are
         return _ref.rope(x, cos, sin, inverse)
+    return _rope(x, cos, sin, -1.0 if inverse else 1.0)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of each head row of x [B, S, H, D] (weight [D] or None), then RoPE (as reference.norm_rope), in
+    one launch."""
+    if _use_reference(x):
+        return _ref.norm_rope(x, weight, eps, cos, sin)
+    return _rope(x, cos, sin, 1.0, (weight, eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, norm: tuple | None = None):
     b, s, h, d = x.shape
     half = cos.shape[-1]
     xc = x.contiguous()
@@ -574,8 +587,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     bh = _pow2(h, 1)
     while bh > 1 and b * s * triton_cdiv(h, bh) < MIN_PROGRAMS // 2:
         bh //= 2  # a decode token: its heads over many programs
-    _Launch(x)("rope_kernel", (b * s, triton_cdiv(h, bh)), xc, c, sn, y, h, d, half, -1.0 if inverse else 1.0,
-               BLOCK_H=bh, BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1), num_warps=4)
+    w, eps = norm or (None, 0.0)
+    _Launch(x)("rope_kernel", (b * s, triton_cdiv(h, bh)), xc, c, sn, y, xc if w is None else w.contiguous(), h, d,
+               half, sign, float(eps), BLOCK_H=bh, BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1),
+               NORM=norm is not None, HAS_W=w is not None, num_warps=4)
     return y
 
 
@@ -656,4 +671,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
 
 
 __all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_head", "compress_step", "rope",
-           "rope_cos_sin", "attention", "topk", "route", "swiglu", "index_scores", "moe_experts", "moe_blocks"]
+           "norm_rope", "rope_cos_sin", "attention", "topk", "route", "swiglu", "index_scores", "moe_experts",
+           "moe_blocks"]

@@ -409,10 +409,13 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, HALF, SIGN,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr = False,
+                HAS_W: tl.constexpr = False):
     """Program (b, s position, head block): copy the non-RoPE dims, rotate interleaved pairs. Heads are split
     over programs so one decode token's 64 heads spread over the GPU (one program per position held them all).
+    NORM (the op norm_rope): each head row is first RMS-normalized (fp32 statistics, times w if HAS_W) and
+    rounded to y's dtype, as rms_norm would hand it to rope, in the same launch.
 
     x, y contiguous [B*S, H, D]; cos/sin contiguous [B*S, HALF]; SIGN = -1 for the inverse rotation.
     """
@@ -423,15 +426,28 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, HALF, SIGN,
     nope = D - 2 * HALF
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = h_ok[:, None] & (offs_d[None, :] < nope)
-    tl.store(y_ptr + row + offs_d[None, :], tl.load(x_ptr + row + offs_d[None, :], mask=d_ok), mask=d_ok)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < HALF
-    c = tl.load(cos_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :] * SIGN
     m = h_ok[:, None] & r_ok[None, :]
     even = row + nope + 2 * offs_r[None, :]
+    xn = tl.load(x_ptr + row + offs_d[None, :], mask=d_ok, other=0.0)
     x0 = tl.load(x_ptr + even, mask=m, other=0.0).to(tl.float32)
     x1 = tl.load(x_ptr + even + 1, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        xf = xn.to(tl.float32)
+        ss = tl.sum(xf * xf, axis=1) + tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1)
+        r = (1.0 / tl.sqrt(ss / D + EPS))[:, None]
+        xf, x0, x1 = xf * r, x0 * r, x1 * r
+        if HAS_W:
+            xf *= tl.load(w_ptr + offs_d, mask=offs_d < nope, other=0.0).to(tl.float32)[None, :]
+            x0 *= tl.load(w_ptr + nope + 2 * offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+            x1 *= tl.load(w_ptr + nope + 2 * offs_r + 1, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+        xn = xf.to(y_ptr.dtype.element_ty)
+        x0 = x0.to(y_ptr.dtype.element_ty).to(tl.float32)
+        x1 = x1.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row + offs_d[None, :], xn, mask=d_ok)
+    c = tl.load(cos_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :] * SIGN
     tl.store(y_ptr + even, (x0 * c - x1 * s).to(y_ptr.dtype.element_ty), mask=m)
     tl.store(y_ptr + even + 1, (x0 * s + x1 * c).to(y_ptr.dtype.element_ty), mask=m)
 
@@ -937,8 +953,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
           HAS_W=True, BLOCK_D=4096), 4, False),
     ("rope", rope_kernel,
-     _sig("x_ptr cos_ptr sin_ptr y_ptr H D HALF SIGN", "*bf16 *fp64 *fp64 *bf16 i32 i32 i32 fp32",
-          BLOCK_H=64, BLOCK_D=512, BLOCK_R=32), 4, False),
+     _sig("x_ptr cos_ptr sin_ptr y_ptr w_ptr H D HALF SIGN EPS", "*bf16 *fp64 *fp64 *bf16 *bf16 i32 i32 i32 fp32 fp32",
+          BLOCK_H=64, BLOCK_D=512, BLOCK_R=32, NORM=False, HAS_W=False), 4, False),
+    ("norm_rope", rope_kernel,  # decode: one head per program, RMSNorm (weighted, as kv_norm) then RoPE
+     _sig("x_ptr cos_ptr sin_ptr y_ptr w_ptr H D HALF SIGN EPS", "*bf16 *fp64 *fp64 *bf16 *bf16 i32 i32 i32 fp32 fp32",
+          BLOCK_H=1, BLOCK_D=512, BLOCK_R=32, NORM=True, HAS_W=True), 4, False),
     ("rope_cos_sin", rope_cos_sin_kernel,
      _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF", "*i64 *fp64 *fp64 *fp64 i32 i32", BLOCK_N=16, BLOCK_R=32), 4,
      False),
