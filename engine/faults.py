@@ -34,12 +34,13 @@ def expert_scale_off_by_one(model, layer: int = 2, expert: int | None = None) ->
 
 def rope_twice(model) -> None:
     """RoPE applied twice to q and k (a fused kernel plus a framework call): wrong relative angles."""
-    base = model.ops.rope
+    base, fused = model.ops.rope, model.ops.norm_rope
 
     def rope(x, cos, sin, inverse=False):
         return base(base(x, cos, sin, inverse), cos, sin, inverse) if not inverse else base(x, cos, sin, True)
 
     _wrap(model, "rope", rope)
+    _wrap(model, "norm_rope", lambda x, weight, eps, cos, sin: base(fused(x, weight, eps, cos, sin), cos, sin))
 
 
 def fp16_softmax_stats(model) -> None:

@@ -283,7 +283,7 @@ class Attention:
         cos, sin = ctx.rope(m.rope_c, pos, B, S)
         q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
         q = ops.rope(q, cos, sin)
-        hw = ops.linear(x.to(_acc(x.dtype)), w[p + "weights_proj.weight"])
+        hw = ops.linear(x, w[p + "weights_proj.weight"], _acc(x.dtype))
         scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
         scores = torch.where(visible, ops.index_scores(q, keys, hw, scale), float("-inf"))  # [B, S, T]
         idx, margin = ops.topk(scores, k)
@@ -309,7 +309,7 @@ class MoE:
         ctx = ctx or _Ctx(None, False, ())
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
-        logits = ops.linear(x2.to(_acc(x.dtype)), w[p + "gate.weight"])  # router in fp32 or fp64
+        logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
         bias = w.get(p + "gate.bias")

@@ -39,6 +39,10 @@ def test_dense_linear_at_decode_sizes(m, n, k, wdtype):
     assert rel(y, ref.linear(x.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-5
     assert torch.equal(tri.linear(x, w), y)  # again: the split sum left its arrival counters at zero
     assert not tri._locks(x.device, 0).any()
+    x16 = x.half()  # the router's form: half-width activations, fp32 logits written directly
+    y32 = tri.linear(x16, w, torch.float32)
+    assert y32.dtype == torch.float32
+    assert rel(y32, ref.linear(x16.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-5
 
 
 def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkeypatch):

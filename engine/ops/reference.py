@@ -28,10 +28,11 @@ def dequantize(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
     return w.data.to(dtype)
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W^T; x [..., K], W [N, K] -> [..., N]."""
+def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T; x [..., K], W [N, K] -> [..., N] in out_dtype (default x's; the router wants fp32 logits
+    from bf16 activations)."""
     acc = _acc(x.dtype)
-    return (x.to(acc) @ dequantize(w, acc).T).to(x.dtype)
+    return (x.to(acc) @ dequantize(w, acc).T).to(out_dtype or x.dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:

@@ -204,16 +204,16 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W^T; FP8 weights decoded in registers, unquantized ones streamed at decode sizes, others via
-    the reference op."""
+def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T in out_dtype (default x's); FP8 weights decoded in registers, unquantized ones streamed at
+    decode sizes (written in out_dtype directly), others via the reference op."""
     if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
-        return _dense_linear(x, w)
+        return _dense_linear(x, w, out_dtype or x.dtype)
     if w.kind != "fp8" or _use_reference(x):
-        return _ref.linear(x, w)
+        return _ref.linear(x, w, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1)
-    return y.reshape(*lead, -1)
+    return y.reshape(*lead, -1).to(out_dtype or x.dtype)
 
 
 def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -361,8 +361,8 @@ DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBL
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the head at 1.00 of copy
 
 
-def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in x.dtype;
+def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x @ W^T for unquantized W and at most DENSE_GEMV_MAX_M rows, fp32 accumulation, y in out_dtype;
     split along K (partials added in split order, in the same launch) when W has too few rows to fill the GPU."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
@@ -375,7 +375,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // blocks))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
-    y = _empty(m, n, dtype=x.dtype, device=x.device)
+    y = _empty(m, n, dtype=out_dtype, device=x.device)
     part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     launch("dense_gemv_kernel", (blocks, split), x2, wd, y, part, _locks(x.device, blocks if split > 1 else 0), m, n,
            k, chunk, split,
