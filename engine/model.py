@@ -206,14 +206,32 @@ class Attention:
         o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
         return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
 
-    def _picked(self, x, qr, ikeys, pos, visible, ctx, out=None) -> torch.Tensor:
-        """CSA's mask [B, S, T] over the compressed entries: visible ([S, T] or [B, 1, T]) and indexer-picked
-        (written into `out` when given)."""
+    def _picked(self, x, qr, keys, pos, visible, ctx, out=None) -> torch.Tensor:
+        """CSA's mask [B, S, T] over the compressed entries: visible ([S, T] or [B, 1, T]) and picked by the
+        lightning indexer, the top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k)
+        (written into `out` when given). Forced picks (-1: none) replace the engine's own, which are still
+        recorded when recording."""
+        m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p + "indexer.", self.m.ops
         B, S, _ = x.shape
-        T = ikeys.shape[1]
-        sel, forced = self._select(x, qr, ikeys, pos, visible, ctx)
+        T = keys.shape[1]
+        forced = ctx.forced(self.i, "indexer")
+        k = min(cfg.index_topk, T)
+        if k and (forced is None or ctx.recording):
+            cos, sin = ctx.rope(m.rope_c, pos, B, S)
+            q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
+            q = ops.rope(q, cos, sin)
+            hw = ops.linear(x, w[p + "weights_proj.weight"], _acc(x.dtype))
+            scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
+            scores = torch.where(visible, ops.index_scores(q, keys, hw, scale), float("-inf"))  # [B, S, T]
+            if ctx.recording:  # picks of hidden entries recorded as -1
+                idx, margin = ops.topk(scores, k)
+                ctx.record(self.i, "indexer", torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx),
+                           torch.nan_to_num(margin, nan=float("inf")))
+            if forced is None:
+                return ops.topk_mask(scores, k, out=out)  # hidden entries score -inf: never in the mask
         hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
-        hit.scatter_(-1, torch.where(sel >= 0, sel, T) if forced else sel, True)  # forced picks hold -1 (none)
+        if forced is not None:
+            hit.scatter_(-1, torch.where(forced >= 0, forced, T), True)
         return torch.logical_and(visible, hit[..., :T], out=out)
 
     def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
@@ -267,31 +285,6 @@ class Attention:
                 sl.indexer = self.indexer.to_static(lc.indexer, pos, batch, capacity, dtype)
         return sl
 
-    def _select(self, x, qr, keys, pos, visible, ctx: _Ctx) -> tuple[torch.Tensor, bool]:
-        """Lightning indexer: top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k),
-        and whether the picks are forced ones (which hold -1 for "none"; own picks may name invisible
-        entries, which the caller's visibility mask removes)."""
-        m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p + "indexer.", self.m.ops
-        B, S, _ = x.shape
-        T = keys.shape[1]
-        forced = ctx.forced(self.i, "indexer")
-        k = min(cfg.index_topk, T)
-        if k == 0:
-            return torch.full((B, S, 0), -1, dtype=torch.long, device=x.device), True
-        if forced is not None and not ctx.recording:
-            return forced, True
-        cos, sin = ctx.rope(m.rope_c, pos, B, S)
-        q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
-        q = ops.rope(q, cos, sin)
-        hw = ops.linear(x, w[p + "weights_proj.weight"], _acc(x.dtype))
-        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
-        scores = torch.where(visible, ops.index_scores(q, keys, hw, scale), float("-inf"))  # [B, S, T]
-        idx, margin = ops.topk(scores, k)
-        if ctx.recording:  # picks of invisible entries recorded as -1
-            ctx.record(self.i, "indexer", torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx),
-                       torch.nan_to_num(margin, nan=float("inf")))
-        return (idx, False) if forced is None else (forced, True)  # forced: own pick recorded, not used
-
 
 class MoE:
     """Routed experts (hash-routed by token id on the first num_hash_layers layers, else top-k of score +
@@ -322,14 +315,13 @@ class MoE:
             fixed = forced.reshape(-1, k)
         if fixed is not None:
             idx, weights, _ = ops.route(logits, bias, *route, fixed)
-        e = m.experts[self.i]
-        routed = ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit)
         if self.w13 is not None:
             g, u = ops.linear(x2, self.w13).split(self.inter, -1)
         else:
             g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
         shared = ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
-        return (routed + shared).view(B, S, D)
+        e = m.experts[self.i]
+        return ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit, shared).view(B, S, D)
 
 
 class _Ctx:

@@ -140,6 +140,21 @@ def test_rope_cos_sin_in_float64():
     assert torch.allclose(cos, rc, rtol=0, atol=1e-12) and torch.allclose(sin, rs, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("w, k", [(21, 21), (37, 20), (1000, 512)])
+def test_topk_mask_is_the_top_k_set_without_hidden_entries(w, k):
+    """The indexer's pick as a mask, written into a slice of a bigger mask (the decode's key mask): ties to
+    the lower index, entries scored -inf (hidden) never in it even when k reaches them."""
+    g = torch.Generator().manual_seed(w + k)
+    s = torch.randint(0, 6, (3, 1, w), generator=g).float() / 4
+    s[1, :, ::2] = float("-inf")
+    big = torch.ones(3, 1, w + 5, dtype=torch.bool)
+    got = tri.topk_mask(s, k, out=big[..., 5:])
+    assert got.data_ptr() == big[..., 5:].data_ptr() and big[..., :5].all()
+    assert torch.equal(big[..., 5:], ref.topk_mask(s, k))
+    assert not big[1, :, 5::2].any()
+    assert torch.equal(tri.topk_mask(s, k), ref.topk_mask(s, k))
+
+
 def test_moe_one_token_with_a_repeated_expert():
     """Decode's one-token path builds its block tables without sorting: a hash layer may route a token to
     the same expert twice, and each pair must still be computed and weighted on its own."""
@@ -190,10 +205,11 @@ def test_compress_step(ratio, overlap, d, half, pos, entry_dtype):
     assert rel(got[2][:, w], want[2][:, w]) <= tol
 
 
-@pytest.mark.parametrize("w, k", [(256, 6), (37, 5), (8, 8), (300, 16)])
+@pytest.mark.parametrize("w, k", [(256, 6), (37, 5), (8, 8), (300, 16), (37, 20), (300, 100), (1000, 512)])
 def test_topk_kernel_matches_the_stable_sort(w, k):
-    """Router-sized top-k: ties (many, on purpose), -inf entries and a row with nothing competing after
-    the k-th must give the reference's indices in its order and its margins."""
+    """Router-sized top-k (k passes) and indexer-sized (one sort, k > 16): ties (many, on purpose), -inf
+    entries and a row with nothing competing after the k-th must give the reference's indices in its order
+    and its margins."""
     g = torch.Generator().manual_seed(w + k)
     s = torch.randint(0, 6, (5, w), generator=g).float() / 4  # heavy ties
     s[1, ::3] = float("-inf")

@@ -86,8 +86,10 @@ def test_fp8_grouped_linear(dtype, b, s, hw, monkeypatch):
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (1, 3, 7.0, "stream"),
                           (1, 2, 0.0, "stream")])
-def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
-    """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream."""
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
+    """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream (whose
+    down launch also sums the k rows, and the shared expert's output when given)."""
     monkeypatch.setitem(tri.MOE_STREAM, "on", variant == "stream")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
@@ -95,10 +97,13 @@ def test_moe_experts(dtype, t, k, limit, variant, monkeypatch):
     x = (torch.randn(t, d, generator=g) * 0.2).to(dtype)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     wt = torch.rand(t, k, generator=g)
-    got = tri.moe_experts(x, w1, w3, w2, idx, wt, limit)
-    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), limit)
+    shared = (torch.randn(t, d, generator=g) * 0.05).to(dtype) if with_shared else None
+    got = tri.moe_experts(x, w1, w3, w2, idx, wt, limit, shared)
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), limit,
+                           None if shared is None else shared.double())
     assert rel(got, want) <= TOL[dtype]
-    assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, limit)), "not bit-reproducible"
+    assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, limit, shared)), "not bit-reproducible"
+    assert not tri._locks(x.device, 0).any()
 
 
 def test_moe_blocks_cover_every_pair_once():

@@ -27,6 +27,7 @@ OP_NAMES = (
     "attention",
     "index_scores",
     "topk",
+    "topk_mask",
     "route",
     "swiglu",
     "moe_experts",

@@ -122,6 +122,14 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, margin
 
 
+def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `topk` set along the last dim as a bool mask, without entries scored -inf (what the caller hid
+    before picking); written into `out` when given (a slice of a bigger mask)."""
+    hit = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    hit.scatter_(-1, topk(scores, k)[0], True)
+    return torch.logical_and(hit, scores != float("-inf"), out=out)
+
+
 def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC's weights from its mix logits [..., 2n + n*n]: pre [..., n] (collapse), post [..., n] (expand)
@@ -238,11 +246,13 @@ def moe_experts(
     idx: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: x [T, D], stacked expert weights w1/w3 [E, I, D], w2 [E, D, I], idx/weights [T, k].
 
     out[t] = sum_j weights[t, j] * W2[e] swiglu(W1[e] x, W3[e] x), e = idx[t, j], summed in order j = 0..k-1
-    (a fixed order: no atomics, bit-reproducible). Only the experts that tokens selected are decoded.
+    (a fixed order: no atomics, bit-reproducible), plus shared[t] (the shared expert's output) when given,
+    then rounded once. Only the experts that tokens selected are decoded.
     """
     acc = _acc(x.dtype)
     xa = x.to(acc)
@@ -257,6 +267,8 @@ def moe_experts(
     out = contrib[:, 0]
     for j in range(1, idx.shape[1]):
         out = out + contrib[:, j]
+    if shared is not None:
+        out = out + shared.to(acc)
     return out.to(x.dtype)
 
 

@@ -311,23 +311,30 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
 
 
 def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
-             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+             dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+             add: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h; with the dot
-    path h enters the dot in `dtype` (the activations' dtype)."""
+    path h enters the dot in `dtype` (the activations' dtype). With `out` (one token, the stream path) the
+    k rows are summed in order (plus `add`) into out in the same launch, and out is returned."""
     bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
     bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)))
     words = kw.get("STREAM", False)
+    fused = out is not None
+    if fused and not (words and bm == 1):
+        raise ValueError("moe_down: the fused sum is for one token on the stream path")
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
+    locks = _locks(h.device, triton_cdiv(d, bn) if fused else 0)
     launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, **kw)
-    return c
+           out if fused else c, c if add is None else add.contiguous(), locks,
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, **kw)
+    return out if fused else c
 
 
 def moe_experts(
@@ -338,19 +345,24 @@ def moe_experts(
     idx: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: grouped gate/up with fused clamped SwiGLU, grouped down x routing weight,
-    then the fixed-order sum over the k slots (see reference.moe_experts for the math)."""
+    then the fixed-order sum over the k slots plus `shared` (see reference.moe_experts for the math); for
+    one token the sum happens inside the down launch."""
     if w1.kind != "mxfp4" or w2.kind != "mxfp4" or w3.kind != "mxfp4" or _use_reference(x):
-        return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit)
+        return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit, shared)
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
-    c = moe_down(moe_gate_up(x, w1, w3, plan, limit), w2, weights, plan, x.dtype)
+    h = moe_gate_up(x, w1, w3, plan, limit)
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)
+    if plan[0] == 1:  # one token, stream path
+        return moe_down(h, w2, weights, plan, x.dtype, out=out, add=shared)
+    c = moe_down(h, w2, weights, plan, x.dtype)
     bd = 1024
-    _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, d, TOPK=idx.shape[-1], BLOCK_D=bd,
-               num_warps=4)
+    _Launch(x)("moe_sum_kernel", (triton_cdiv(d, bd), t), c, out, c if shared is None else shared.contiguous(), d,
+               TOPK=idx.shape[-1], BLOCK_D=bd, HAS_ADD=shared is not None, num_warps=4)
     return out
 
 
@@ -422,23 +434,44 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, r
            v8.stride(0), R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
-TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # the router (6 of 256); the indexer's top-512 stays a device sort
+TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # k passes for a small k (the router's 6 of 256); a sort up to the width
+TOPK_SORT_WIDTH = 4096  # the indexer's 512 of up to this many entries (longer rows: the reference's device sort)
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties to the lower index, and the k-th minus (k+1)-th margin (as
-    reference.topk); one program per row for small k and widths, else the reference's stable sort."""
+    reference.topk); one program per row: k passes for small k, one in-register sort for rows up to
+    TOPK_SORT_WIDTH, else the reference's stable sort."""
     w = scores.shape[-1]
-    if k > TOPK_MAX_K or w > TOPK_MAX_WIDTH or k > w or scores.dtype != torch.float32 or not scores.numel() \
-            or _use_reference(scores):
+    if k > w or scores.dtype != torch.float32 or not scores.numel() or _use_reference(scores) or \
+            (k > TOPK_MAX_K and w > TOPK_SORT_WIDTH) or (k <= TOPK_MAX_K and w > TOPK_MAX_WIDTH):
         return _ref.topk(scores, k)
     lead = scores.shape[:-1]
     s2 = scores.reshape(-1, w).contiguous()
     idx = _empty(s2.shape[0], k, dtype=torch.int64, device=scores.device)
     margin = _empty(s2.shape[0], dtype=torch.float32, device=scores.device)
-    _Launch(scores)("topk_kernel", (s2.shape[0],), s2, idx, margin, w, s2.stride(0), K=k, HAS_NEXT=w > k,
-                    BLOCK_W=_pow2(w), num_warps=1)  # k passes of reductions: within one warp, no barriers
+    if k <= TOPK_MAX_K:
+        _Launch(scores)("topk_kernel", (s2.shape[0],), s2, idx, margin, w, s2.stride(0), K=k, HAS_NEXT=w > k,
+                        BLOCK_W=_pow2(w), num_warps=1)  # k passes of reductions: within one warp, no barriers
+    else:
+        _Launch(scores)("topk_sort_kernel", (s2.shape[0],), s2, idx, margin, idx, w, k, s2.stride(0), 0, IDX=True,
+                        MASK=False, BLOCK_W=_pow2(w), num_warps=8)
     return idx.reshape(*lead, k), margin.reshape(lead)
+
+
+def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-k set as a bool mask (as reference.topk_mask), one sort per row, into `out` when given."""
+    w = scores.shape[-1]
+    if w > TOPK_SORT_WIDTH or k > w or scores.dtype != torch.float32 or _use_reference(scores):
+        return _ref.topk_mask(scores, k, out)
+    s2 = scores.reshape(-1, w).contiguous()
+    mask = out if out is not None else torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    m2 = mask.view(torch.int8).reshape(-1, w)  # a view: `out` may be a strided slice of a bigger mask
+    if m2.stride(-1) != 1 or (out is not None and m2.data_ptr() != mask.data_ptr()):
+        raise ValueError("topk_mask: `out` must have a unit last stride")
+    _Launch(scores)("topk_sort_kernel", (s2.shape[0],), s2, s2, s2, m2, w, k, s2.stride(0), m2.stride(0), IDX=False,
+                    MASK=True, BLOCK_W=_pow2(w), num_warps=8)
+    return mask
 
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -671,5 +704,5 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
 
 
 __all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_head", "compress_step", "rope",
-           "norm_rope", "rope_cos_sin", "attention", "topk", "route", "swiglu", "index_scores", "moe_experts",
-           "moe_blocks"]
+           "norm_rope", "rope_cos_sin", "attention", "topk", "topk_mask", "route", "swiglu", "index_scores",
+           "moe_experts", "moe_blocks"]

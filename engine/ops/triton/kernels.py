@@ -88,17 +88,20 @@ def fp8_matmul_kernel(
 
 
 @triton.jit
-def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at):
+def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add_at, HAS_ADD: tl.constexpr):
     """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
     itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
-    partials in split order 0..n-1, writes the result and resets the lock for the next launch (or replay).
-    The barrier orders all threads' partial stores before the release (the usual semaphore pattern)."""
+    partials in split order 0..n-1 (then add_at's values when HAS_ADD), writes the result and resets the lock
+    for the next launch (or replay). The barrier orders all threads' partial stores before the release (the
+    usual semaphore pattern)."""
     tl.store(part_at + split * part_stride, y, mask=ok)
     tl.debug_barrier()
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
         tot = tl.load(part_at, mask=ok, other=0.0)
         for j in range(1, n_split):
             tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
+        if HAS_ADD:
+            tot += tl.load(add_at, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_at, tot.to(out_at.dtype.element_ty), mask=ok)
         tl.atomic_xchg(lock_at, 0)
 
@@ -164,7 +167,7 @@ def fp8_stream_kernel(
     at = m * stride_ym + g * stride_yg + offs_r
     if SPLIT > 1:
         tile = pid_n + tl.num_programs(0) * (m + M * g)
-        _split_sum(y, part_ptr + at, y_ptr + at, r_ok, split, SPLIT, stride_ps, lock_ptr + tile)
+        _split_sum(y, part_ptr + at, y_ptr + at, r_ok, split, SPLIT, stride_ps, lock_ptr + tile, y_ptr, False)
     else:
         tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
@@ -347,10 +350,13 @@ def moe_down_kernel(
     pair_id_ptr, pair_w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
     D, I,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_cp,
+    out_ptr, add_ptr, lock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
-    STREAM: tl.constexpr = False,
+    STREAM: tl.constexpr = False, SUM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
 ):
-    """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later)."""
+    """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later).
+    SUM (one token, STREAM: block j is pair j): the last of the k pair programs of an output tile adds the k
+    rows in order (plus add_ptr's shared-expert row when HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
@@ -372,13 +378,18 @@ def moe_down_kernel(
             y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
         pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
-        tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
-                 mask=m_ok[:, None] & r_ok[None, :])
+        if SUM:
+            _split_sum(tl.sum(y * wt[:, None], axis=0), c_ptr + offs_n, out_ptr + offs_n, r_ok, b,
+                       tl.num_programs(1), stride_cp, lock_ptr + pid_n, add_ptr + offs_n, HAS_ADD)
+        else:
+            tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
+                     mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
-def moe_sum_kernel(c_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = sum_j contrib[t, j] in the order j = 0..k-1 (bit-reproducible, no atomics)."""
+def moe_sum_kernel(c_ptr, out_ptr, add_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+    """out[t] = sum_j contrib[t, j] in the order j = 0..k-1 (bit-reproducible, no atomics), plus add[t] (the
+    shared expert) when HAS_ADD."""
     t = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -386,6 +397,8 @@ def moe_sum_kernel(c_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr)
     acc = tl.load(base, mask=ok, other=0.0)
     for j in tl.static_range(1, TOPK):
         acc += tl.load(base + j * D, mask=ok, other=0.0)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t.to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * D + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -635,7 +648,8 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
     ok = m_ok[:, None] & n_ok[None, :]
     out_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if SPLIT:
-        _split_sum(y, part_ptr + rm[:, None] * N + rn[None, :], out_at, ok, split, n_split, stride_ps, lock_ptr + pid)
+        _split_sum(y, part_ptr + rm[:, None] * N + rn[None, :], out_at, ok, split, n_split, stride_ps, lock_ptr + pid,
+                   y_ptr, False)
     else:
         tl.store(out_at, y.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -740,6 +754,35 @@ def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
     else:
         margin = float("inf")
     tl.store(margin_ptr + row, margin)
+
+
+@triton.jit
+def topk_sort_kernel(s_ptr, idx_ptr, margin_ptr, mask_ptr, W, K, stride_s, stride_m,
+                     IDX: tl.constexpr, MASK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Top-K of one row of up to BLOCK_W scores (the indexer's 512 of T entries) by one in-register sort of
+    unique int64 keys: the score's bits made order-preserving in the high half (NaN first, as a descending
+    sort puts it), the complemented index in the low half (ties to the lower index). IDX: the K indices in
+    order and the K-th minus (K+1)-th margin (as topk_kernel); MASK: the picked set as a mask (keys at or above
+    the K-th), without entries scored -inf (what the caller hid)."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < W
+    v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=float("-inf")).to(tl.float32)
+    bits = tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))  # one NaN, above +inf
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order
+    low = tl.full([BLOCK_W], 4294967295, tl.int64)  # the low 32 bits
+    key = (order.to(tl.int64) << 32) | (low - w.to(tl.int64))
+    key = tl.where(ok, key, -9223372036854775807 - 1)
+    srt = tl.sort(key, descending=True)
+    kth = tl.sum(tl.where(w == K - 1, srt, 0), axis=0)
+    if MASK:
+        tl.store(mask_ptr + row * stride_m + w, ((key >= kth) & (v != float("-inf"))).to(tl.int8), mask=ok)
+    if IDX:
+        tl.store(idx_ptr + row * K + w, low - (srt & low), mask=w < K)
+        vk = tl.sum(tl.where(key == kth, v, 0.0), axis=0)
+        nxt = tl.sum(tl.where(w == K, srt, 0), axis=0)
+        vn = tl.sum(tl.where((key == nxt) & ok, v, 0.0), axis=0)
+        tl.store(margin_ptr + row, tl.where(W > K, vk - vn, float("inf")))
 
 
 @triton.jit
@@ -921,8 +964,8 @@ _MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_l
            "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
            "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
 _MOE_DOWN = ("h_ptr w2_ptr s2_ptr c_ptr pair_id_ptr pair_w_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr D I "
-             "stride_hp stride_we stride_wn stride_se stride_sn stride_cp",
-             "*fp32 *u8 *u8 *fp32 *i32 *fp32 *i32 *i32 *i32 i32 i32 i32 i32 i32 i32 i32 i32")
+             "stride_hp stride_we stride_wn stride_se stride_sn stride_cp out_ptr add_ptr lock_ptr",
+             "*fp32 *u8 *u8 *fp32 *i32 *fp32 *i32 *i32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 *bf16 *bf16 *i32")
 _ATTN = ("q_ptr kv_ptr sink_ptr mask_ptr o_ptr S H L D scale stride_qb stride_qs stride_qh stride_kb "
          "stride_kl stride_mb stride_ms stride_ob stride_os stride_oh",
          "*bf16 *bf16 *fp32 *u8 *bf16 i32 i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32")
@@ -945,10 +988,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_gate_up_stream", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True), 4, False),
-    ("moe_down_stream", moe_down_kernel,
+    ("moe_down_stream", moe_down_kernel,  # one token: the k pair rows summed by the last pair (+ shared)
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
-          STREAM=True), 4, False),
-    ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr D", "*fp32 *bf16 i32", TOPK=6, BLOCK_D=1024), 4, False),
+          STREAM=True, SUM=True, HAS_ADD=True), 4, False),
+    ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr add_ptr D", "*fp32 *bf16 *bf16 i32", TOPK=6, BLOCK_D=1024,
+                                     HAS_ADD=True), 4, False),
     ("rms_norm", rms_norm_kernel,
      _sig("x_ptr w_ptr y_ptr D eps stride_x stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32",
           HAS_W=True, BLOCK_D=4096), 4, False),
@@ -993,6 +1037,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*bf16 *u8 *bf16 *fp64 *fp64 *i64 i32 i32 fp32 i32 i32 i32", R=4, BLOCK_D=512, BLOCK_R=32), 4, False),
     ("topk", topk_kernel, _sig("s_ptr idx_ptr margin_ptr W stride_s", "*fp32 *i64 *fp32 i32 i32", K=6, HAS_NEXT=True,
                                BLOCK_W=256), 1, False),
+    ("topk_sort", topk_sort_kernel,
+     _sig("s_ptr idx_ptr margin_ptr mask_ptr W K stride_s stride_m", "*fp32 *i64 *fp32 *i8 i32 i32 i32 i32",
+          IDX=True, MASK=True, BLOCK_W=4096), 8, False),
     ("route", route_kernel,
      _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
           "*fp32 *fp32 *fp32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=True, FIXED=False,
