@@ -1,6 +1,6 @@
 """H200 kernel benchmark: correctness at V4-Flash shapes first, then timings against the measured copy ceiling.
 
-One command (repo root, on the GPU machine):  python bench/bench_kernels.py [--out DIR] [--sweep]
+One command (repo root, on the GPU machine):  python bench/bench_kernels.py [--out DIR] [--sweep | --stream-sweep]
 CPU smoke test of the whole script (Triton interpreter, tiny shapes, fp16, no timing that means anything):
     python bench/bench_kernels.py --small --sweep --out /tmp/bench_small
 Writes DIR/h200.json (default bench/results/) and prints a table. Method (the device README's METHOD.md):
@@ -153,7 +153,8 @@ def check(results: dict, name: str, err: float, tol: float = 1e-2) -> None:
     print(f"check {name:40s} rel={err:.2e} tol={tol:g} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def correctness(results: dict) -> None:
+def correctness(results: dict, streams_only: bool = False) -> None:
+    """Every kernel against the float64 reference (streams_only: the FP8 linears and the MoE only)."""
     # fp8 linear (wq_b) decode and prefill, grouped wo_a
     w = fp8_weight(HEADS * HEAD_DIM, Q_LORA)
     for m in (1, 3, 64):
@@ -163,9 +164,10 @@ def correctness(results: dict) -> None:
     saved = dict(tri.FP8_STREAM)
     for hw in (False, True):  # the stream kernel's bit decode and hardware E4M3 conversion (forced)
         for un in (1, 2):
-            tri.FP8_STREAM.update(HW=hw, UNROLL=un)
-            check(results, f"fp8_linear wq_b M=1 stream hw={hw} unroll={un}",
-                  rel(tri.linear(x, w), ref.linear(x.double(), w)))
+            for pf in (False, True):  # and its register double buffering (W as words; HW then inline PTX)
+                tri.FP8_STREAM.update(HW=hw, UNROLL=un, PREFETCH=pf)
+                check(results, f"fp8_linear wq_b M=1 stream hw={hw} unroll={un} prefetch={pf}",
+                      rel(tri.linear(x, w), ref.linear(x.double(), w)))
     tri.FP8_STREAM.update(saved)
     tri.FP8_STREAM_MAX_M, saved_m = 0, tri.FP8_STREAM_MAX_M
     check(results, "fp8_linear wq_b M=1 via dot (old path)", rel(tri.linear(x, w), ref.linear(x.double(), w)))
@@ -176,6 +178,11 @@ def correctness(results: dict) -> None:
         x = torch.randn(m, O_GROUPS, kg, device=DEV, dtype=ACT, generator=GEN)
         got = tri.grouped_linear(x, wo, O_GROUPS)
         check(results, f"fp8_grouped wo_a M={m}", rel(got, ref.grouped_linear(x.double(), wo, O_GROUPS)))
+        if m == 1:  # the prefetching stream split along K (its next-tile loads stop at each split's end)
+            tri.FP8_STREAM.update(PREFETCH=True)
+            got = tri.grouped_linear(x, wo, O_GROUPS)
+            tri.FP8_STREAM.update(saved)
+            check(results, "fp8_grouped wo_a M=1 prefetch", rel(got, ref.grouped_linear(x.double(), wo, O_GROUPS)))
     # MoE on 16 experts (the reference decodes each selected expert in float64)
     e = 16
     w1, w3, w2 = fp4_weight(e, INTER, HID), fp4_weight(e, INTER, HID), fp4_weight(e, HID, INTER)
@@ -184,12 +191,17 @@ def correctness(results: dict) -> None:
         idx = torch.stack([torch.randperm(e, device=DEV, generator=GEN)[:TOPK] for _ in range(t)])
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
-        saved_st = tri.MOE_STREAM["on"]
-        for variant in ("stream", "dot") if t == 1 else ("dot",):
-            tri.MOE_STREAM["on"] = variant == "stream"
+        saved_st = dict(tri.MOE_STREAM)
+        # the one-token stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA only)
+        streams = [("stream", False, False), ("stream prefetch", True, False), ("stream prmt", False, True),
+                   ("stream prefetch prmt", True, True)]
+        for variant, pf, prmt in (streams + [("dot", False, False)]) if t == 1 else [("dot", False, False)]:
+            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf, PRMT=prmt)
             got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
             check(results, f"moe_experts T={t} {variant}", rel(got, want))
-        tri.MOE_STREAM["on"] = saved_st
+        tri.MOE_STREAM.update(saved_st)
+    if streams_only:
+        return
     x = torch.randn(7, HID, device=DEV, dtype=ACT, generator=GEN)
     g = torch.randn(HID, device=DEV, dtype=ACT, generator=GEN)
     check(results, "rms_norm D=4096", rel(tri.rms_norm(x, g, 1e-6), ref.rms_norm(x.double(), g.double(), 1e-6)))
@@ -374,6 +386,75 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     print(f"fp8 wq_b M=64 {ms*1e3:.1f} us")
 
 
+def _short(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("on", "num_stages", "HW"))
+
+
+def stream_sweep(results: dict, copy: float) -> None:
+    """--stream-sweep: the one-token weight streams only, as fractions of the copy bandwidth. MXFP4 gate_up + down
+    (one launch each, 24 routings x 6 of 256 experts) and FP8 wq_b (1024 -> 32768, 8 weights) under the committed
+    defaults, PREFETCH (register double buffering), PRMT (the inline-PTX E2M1 decode) and tiles around the defaults.
+    The globals are restored afterwards (nothing is adopted)."""
+    moe0, fp80 = dict(tri.MOE_STREAM), dict(tri.FP8_STREAM)
+    moe_cfgs = [dict(moe0)] + [dict(moe0, PREFETCH=pf, PRMT=pr) for pf, pr in ((True, False), (False, True),
+                                                                                   (True, True))]
+    for bn, g, nw, pfs in ((16, 8, 2, (True, False)), (32, 8, 4, (True, False)), (16, 16, 4, (True, False)),
+                           (8, 16, 2, (True, False)), (32, 8, 8, (True, False)),
+                           (32, 16, 4, (False,)), (16, 32, 4, (False,))):  # (with PREFETCH these take ~254 regs)
+        moe_cfgs += [dict(moe0, BLOCK_N=bn, GROUPS=g, num_warps=nw, PREFETCH=pf, PRMT=True) for pf in pfs]
+    fp8_cfgs = [dict(fp80), dict(fp80, PREFETCH=True), dict(fp80, PREFETCH=True, UNROLL=2)]
+    for bn, bk, nw in ((32, 256, 8), (32, 256, 4), (64, 128, 8), (128, 128, 8), (32, 512, 8), (16, 512, 4),
+                       (64, 512, 8)):
+        fp8_cfgs += [dict(fp80, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=pf) for pf in (True, False)]
+    fp8_cfgs = [c for i, c in enumerate(fp8_cfgs) if c not in fp8_cfgs[:i]]
+    table = []
+
+    def timed(kind: str, cfg: dict, fn, args_list, nbytes: float) -> None:
+        try:
+            ms = time_graph_ms(fn, args_list)
+        except Exception as exc:  # a tile that does not compile is reported, not fatal
+            print(f"stream {kind} cfg {cfg} failed: {exc!r}"[:300], flush=True)
+            return
+        frac = nbytes / (ms * 1e-3) / 1e12 / copy
+        table.append({"kernel": kind, "cfg": cfg, "us": ms * 1e3, "frac": frac})
+        print(f"stream {kind:24s} {ms * 1e3:8.1f} us  frac={frac:.3f}  cfg={_short(cfg)}", flush=True)
+
+    w1, w3, w2 = fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, HID, INTER)
+    up_bytes = TOPK * (w1.nbytes() + w3.nbytes()) / N_EXP + HID * 2 + TOPK * INTER * 4  # weights, x, h written
+    down_bytes = TOPK * w2.nbytes() / N_EXP + TOPK * INTER * 4 + TOPK * HID * 4  # weights, h, contributions
+    sets = []
+    for _ in range(2 if SMALL else 24):  # 24 routings x 6 experts: far beyond the L2 (--small times 2 calls)
+        idx = torch.randperm(N_EXP, device=DEV, generator=GEN)[:TOPK][None]
+        sets.append((torch.randn(1, HID, device=DEV, dtype=ACT, generator=GEN), idx,
+                     torch.rand(1, TOPK, device=DEV, generator=GEN)))
+    tri.MOE_STREAM.update(on=True)
+    for cfg in moe_cfgs:  # both launches, then each alone (gate_up and down have different grids and registers)
+        tri.MOE_STREAM.update(cfg)
+        planned = [(x, wt, tri.moe_prepare(x, idx, N_EXP)) for x, idx, wt in sets]
+        timed("mxfp4 gate_up+down M=1", cfg, lambda x, wt, plan: tri.moe_down(
+            tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan), planned, up_bytes + down_bytes)
+        timed("  mxfp4 gate_up M=1", cfg, lambda x, wt, plan: tri.moe_gate_up(x, w1, w3, plan, 10.0), planned,
+              up_bytes)
+        hs = [(tri.moe_gate_up(x, w1, w3, plan, 10.0), wt, plan) for x, wt, plan in planned]
+        timed("  mxfp4 down M=1", cfg, lambda h, wt, plan: tri.moe_down(h, w2, wt, plan), hs, down_bytes)
+    tri.MOE_STREAM.update(moe0)
+
+    ws = [fp8_weight(HEADS * HEAD_DIM, Q_LORA) for _ in range(8)]  # 8 x 32 MB
+    xs = [torch.randn(1, Q_LORA, device=DEV, dtype=ACT, generator=GEN) for _ in range(8)]
+    nbytes = ws[0].nbytes() + Q_LORA * 2 + HEADS * HEAD_DIM * 2
+    saved_m, tri.FP8_STREAM_MAX_M = tri.FP8_STREAM_MAX_M, 1
+    for cfg in fp8_cfgs:
+        tri.FP8_STREAM.update(cfg)
+        timed("fp8 wq_b M=1", cfg, tri.linear, list(zip(xs, ws, strict=True)), nbytes)
+    tri.FP8_STREAM.update(fp80)
+    tri.FP8_STREAM_MAX_M = saved_m
+    results["stream_sweep"] = table
+    print("\nbest first (fraction of the copy bandwidth):")
+    for kind in ("mxfp4 gate_up+down M=1", "  mxfp4 gate_up M=1", "  mxfp4 down M=1", "fp8 wq_b M=1"):
+        for row in sorted((r for r in table if r["kernel"] == kind), key=lambda r: -r["frac"]):
+            print(f"  {kind:24s} {row['frac']:.3f} {row['us']:8.1f} us  {_short(row['cfg'])}")
+
+
 def other_bench(results: dict, copy: float, sweep: bool) -> None:
     out = {}
     xs = [torch.randn(64, HID, device=DEV, dtype=ACT, generator=GEN) for _ in range(4)]
@@ -411,6 +492,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--sweep", action="store_true", help="time several tile configs and keep the best")
+    ap.add_argument("--stream-sweep", action="store_true",
+                    help="only the one-token MXFP4/FP8 streams: defaults, PREFETCH, PRMT and nearby tiles (after the "
+                         "stream kernels' correctness checks); writes DIR/stream_sweep.json")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, tiny shapes (read at import)")
     args = ap.parse_args()
@@ -427,11 +511,21 @@ def main() -> None:
     }
     t0 = time.time()
     if not args.skip_check:
-        correctness(results)
+        correctness(results, streams_only=args.stream_sweep)
     results["all_checks_ok"] = all(c["ok"] for c in results["checks"].values())
     copy = copy_tbps()
     results["copy_TBps"] = copy
     print(f"copy {copy:.3f} TB/s", flush=True)
+    if args.stream_sweep:
+        results["command"] = "python bench/bench_kernels.py --stream-sweep"
+        stream_sweep(results, copy)
+        results["wall_s"] = time.time() - t0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for d in [out] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+            (d / "stream_sweep.json").write_text(json.dumps(results, indent=1))
+        print(f"all checks ok: {results['all_checks_ok']}  wall {results['wall_s']:.0f} s")
+        return
     moe_bench(results, copy, args.sweep)
     fp8_bench(results, copy, args.sweep)
     other_bench(results, copy, args.sweep)

@@ -88,6 +88,20 @@ def _meta(text: str, key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def with_defaults(fn: object, signature: dict[str, str], constexprs: dict[str, object]) -> tuple[dict, dict]:
+    """A spec's signature and constexprs with the kernel's defaulted parameters that the spec leaves out fixed
+    to their defaults (as a launch that omits them does)."""
+    raw = getattr(fn, "fn", None)
+    if raw is None:
+        return signature, constexprs
+    signature, constexprs = dict(signature), dict(constexprs)
+    for pname, par in inspect.signature(raw).parameters.items():
+        if pname not in signature and par.default is not inspect.Parameter.empty:
+            signature[pname] = "constexpr"
+            constexprs[pname] = par.default
+    return signature, constexprs
+
+
 def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: dict[str, object],
                  num_warps: int, matmul: bool, target: tuple = GFX90A) -> KernelAudit:
     """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources."""
@@ -96,13 +110,7 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     from triton.compiler import ASTSource
 
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
-    raw = getattr(fn, "fn", None)
-    if raw is not None:  # parameters with defaults that the spec leaves out are fixed to their defaults
-        signature, constexprs = dict(signature), dict(constexprs)
-        for pname, par in inspect.signature(raw).parameters.items():
-            if pname not in signature and par.default is not inspect.Parameter.empty:
-                signature[pname] = "constexpr"
-                constexprs[pname] = par.default
+    signature, constexprs = with_defaults(fn, signature, constexprs)
     try:
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
                            options={"num_warps": num_warps})

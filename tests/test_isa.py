@@ -74,14 +74,16 @@ def test_compile_error_is_a_violation():
     assert not a.compiled and a.violations()[0].startswith("does not compile")
 
 
-def test_sm90_fp8_stream_uses_hardware_conversion():
-    """The HW variant of the FP8 stream converts E4M3 with cvt.rn.f16x2.e4m3x2 (no bit decode)."""
+@pytest.mark.parametrize("name", ["fp8_stream_hw", "fp8_stream_hw_prefetch"])
+def test_sm90_fp8_stream_uses_hardware_conversion(name):
+    """The HW variants of the FP8 stream convert E4M3 with cvt.rn.f16x2.e4m3x2 (no bit decode)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from cdna2_engine.ops.triton.kernels import ISA_SPECS_SM90
 
-    _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == "fp8_stream_hw")
+    _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == name)
+    sig, const = isa.with_defaults(fn, sig, const)
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget(*isa.SM90), options={"num_warps": warps})
     assert "e4m3x2" in k.asm["ptx"]

@@ -57,23 +57,31 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
 
 # M = B*S rows: 1 takes the stream kernel (split along K here), 3 and 2*11 = 22 the dot kernel. hw: the stream
 # kernel's E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
+# prefetch: the register double-buffered stream (W as uint32 words; K = 298 is not a multiple of 4 and falls back;
+# its hardware conversion is inline PTX, so the interpreter runs the bit decode there).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,hw,unroll", [(1, 1, False, 1), (1, 1, True, 2), (1, 3, False, 1), (2, 11, False, 1)])
-def test_fp8_linear(dtype, b, s, hw, unroll, monkeypatch):
+@pytest.mark.parametrize("b,s,hw,unroll,prefetch,k", [
+    (1, 1, False, 1, False, 300), (1, 1, True, 2, False, 300), (1, 1, False, 1, True, 300),
+    (1, 1, False, 2, True, 300), (1, 1, False, 1, True, 298), (1, 3, False, 1, False, 300),
+    (2, 11, False, 1, False, 300)])
+def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, monkeypatch):
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "UNROLL", unroll)
+    monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
     g = gen(100 + 10 * b + s)
-    w = fp8_weight(200, 300, g)
-    x = torch.randn(b, s, 300, generator=g).to(dtype)
+    w = fp8_weight(200, k, g)
+    x = torch.randn(b, s, k, generator=g).to(dtype)
     assert rel(tri.linear(x, w), ref.linear(x.double(), w)) <= TOL[dtype]
     assert not tri._locks(x.device, 0).any()  # a split-K launch (K 300 at the CPU's 64-wide steps) reset them
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,hw", [(1, 1, False), (2, 1, True), (2, 5, False)])
-def test_fp8_grouped_linear(dtype, b, s, hw, monkeypatch):
+@pytest.mark.parametrize("b,s,hw,prefetch", [(1, 1, False, False), (2, 1, True, False), (2, 1, False, True),
+                                             (2, 5, False, False)])
+def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, monkeypatch):
     """M = 1 and 2 take the stream kernel with per-row scales (72-row groups straddle the 128-row blocks)."""
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
+    monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
     g = gen(200 + 10 * b + s)
     w = fp8_weight(4 * 72, 136, g)  # 4 groups of 72 rows: row blocks of 128 straddle the groups
     x = torch.randn(b, s, 4, 136, generator=g).to(dtype)
@@ -85,12 +93,14 @@ def test_fp8_grouped_linear(dtype, b, s, hw, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (1, 3, 7.0, "stream"),
-                          (1, 2, 0.0, "stream")])
+                          (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch")])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
     """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream (whose
-    down launch also sums the k rows, and the shared expert's output when given)."""
-    monkeypatch.setitem(tri.MOE_STREAM, "on", variant == "stream")
+    down launch also sums the k rows, and the shared expert's output when given), also with register double
+    buffering (the PRMT decode is inline PTX: GPU only, checked by bench_kernels.py)."""
+    monkeypatch.setitem(tri.MOE_STREAM, "on", variant.startswith("stream"))
+    monkeypatch.setitem(tri.MOE_STREAM, "PREFETCH", variant == "stream_prefetch")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)

@@ -141,9 +141,14 @@ MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
-FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None}  # H200 runs 7-8
+# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0).
+FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
+              "PREFETCH": False}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
-MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2}  # H200 run 8
+# PREFETCH: register double buffering of the next K step; PRMT: the inline-PTX E2M1 decode (CUDA only: ignored
+# on ROCm and in the CPU interpreter). Both off until measured on the H200.
+MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 run 8
+              "PREFETCH": False, "PRMT": False}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -160,6 +165,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+        prefetch = bool(c["PREFETCH"]) and k % 4 == 0  # the prefetched tile is read as uint32 words
+        hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
+        if prefetch:
+            wd = wd.view(torch.int32)
+            hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
@@ -172,9 +182,10 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
         split = triton_cdiv(k, chunk)
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
+        args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1))
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
-               BLOCK_N=bn, BLOCK_K=bk, HW=_hw_fp8(x) if c["HW"] is None else bool(c["HW"]), UNIFORM=uniform,
-               UNROLL=c["UNROLL"], SPLIT=split, num_warps=c["num_warps"])
+               BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
+               num_warps=c["num_warps"])
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -190,6 +201,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
 @functools.cache
 def _hw_fp8_on(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _ptx(t: torch.Tensor) -> bool:
+    """Inline PTX can run: a CUDA (not ROCm) tensor."""
+    return t.device.type == "cuda" and torch.version.hip is None
 
 
 def _hw_fp8(t: torch.Tensor) -> bool:
@@ -282,9 +298,10 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
 def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[int, int, dict]:
     """(BLOCK_N, GROUPS, other launch keywords) for this device, dtype and batch."""
     if tokens == 1 and MOE_STREAM["on"] and bm == 1:
-        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1} if launch.cpu else MOE_STREAM
+        c = dict(MOE_STREAM, BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1) if launch.cpu else MOE_STREAM
         return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
-                                           "STREAM": True}
+                                           "STREAM": True, "PREFETCH": bool(c["PREFETCH"]),
+                                           "PRMT": bool(c["PRMT"]) and _ptx(x)}
     dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
     if launch.cpu:
         c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1}

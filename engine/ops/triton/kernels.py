@@ -107,18 +107,89 @@ def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add
 
 
 @triton.jit
-def _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0, K, r_ok,
-                     BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr):
-    """acc[BN, BK] += W[:, k0:k0+BK] * (x * block scale): one FMA per weight."""
+def _fp8_stream_load(w_base, x_base, s_tile, s_rows, k0, k_end, r_ok, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr,
+                     WORDS: tl.constexpr):
+    """Raw loads of one [BLOCK_N, BLOCK_K] step at column k0 (columns from k_end on read nothing): E4M3 bytes
+    (WORDS: w_base addresses uint32 words, loaded as [BN, BK / 4]), x in its own dtype, and the UE8M0 scale
+    bytes (UNIFORM: one per column of the tile's scale row; else per (row, column))."""
     kk = k0 + tl.arange(0, BLOCK_K)
-    k_ok = kk < K
-    wb = tl.load(w_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0)
-    x = tl.load(x_base + k0, mask=k_ok, other=0.0).to(tl.float32)
-    if UNIFORM:
-        xs = (x * _e8m0(tl.load(s_tile + kk // 128, mask=k_ok, other=0), 0))[None, :]
+    k_ok = kk < k_end
+    if WORDS:
+        kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # (k_end: a multiple of 4)
+        wb = tl.load(w_base + k0 // 4, mask=r_ok[:, None] & (kw < k_end // 4)[None, :], other=0)
     else:
-        xs = x[None, :] * _e8m0(tl.load(s_rows[:, None] + kk[None, :] // 128, mask=r_ok[:, None] & k_ok[None, :],
-                                        other=0), 0)
+        wb = tl.load(w_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0)
+    x = tl.load(x_base + k0, mask=k_ok, other=0.0)
+    if UNIFORM:
+        s = tl.load(s_tile + kk // 128, mask=k_ok, other=0)
+    else:
+        s = tl.load(s_rows[:, None] + kk[None, :] // 128, mask=r_ok[:, None] & k_ok[None, :], other=0)
+    return wb, x, s
+
+
+@triton.jit
+def _e4m3_word_cvt(w):
+    """sm_89+ only (PTX): the 4 E4M3 bytes of each uint32 word -> 4 fp32, by the hardware conversion of each
+    half-word (cvt.rn.f16x2.e4m3x2, low byte to low half) and two exact fp16 -> fp32 widenings. (Triton's own fp8
+    cast of bytes unpacked from a word re-packs the high byte pair with 3-4 integer ops.)"""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi, h0, h1, h2, h3;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {h0, h1}, a;
+        mov.b32 {h2, h3}, b;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $1, h1;
+        cvt.f32.f16 $2, h2;
+        cvt.f32.f16 $3, h3;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _split4(t):
+    """[..., n, 2, 2] (element 4i + 2a + b at [..., i, a, b]) -> its 4 planes [..., n]: elements 4i, 4i+1, 4i+2,
+    4i+3."""
+    e, o = tl.split(t)  # b
+    p0, p2 = tl.split(e)  # a
+    p1, p3 = tl.split(o)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _fp8_stream_fma_words(acc, w, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """acc[BN, BK / 4] += sum over the 4 bytes of each uint32 word of W * (x * block scale): four FMAs per word
+    into one accumulator (a quarter of _fp8_stream_fma's registers). HW: _e4m3_word_cvt (GPU only: inline PTX);
+    else the bit decode of each byte."""
+    w = w.to(tl.uint32, bitcast=True)
+    if UNIFORM:
+        xs = _split4(tl.reshape(x.to(tl.float32) * _e8m0(s, 0), (BLOCK_K // 4, 2, 2)))
+    else:
+        xs = _split4(tl.reshape(x.to(tl.float32)[None, :] * _e8m0(s, 0), (BLOCK_N, BLOCK_K // 4, 2, 2)))
+    if HW:
+        v = _e4m3_word_cvt(w)
+    else:
+        v = (_e4m3_f32(w & 0xFF), _e4m3_f32((w >> 8) & 0xFF), _e4m3_f32((w >> 16) & 0xFF), _e4m3_f32(w >> 24))
+    for j in tl.static_range(4):
+        if UNIFORM:
+            acc += v[j] * xs[j][None, :]
+        else:
+            acc += v[j] * xs[j]
+    return acc
+
+
+@triton.jit
+def _fp8_stream_fma(acc, wb, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr):
+    """acc[BN, BK] += W * (x * block scale): one FMA per weight (wb: E4M3 bytes [BN, BK])."""
+    x = x.to(tl.float32)
+    if UNIFORM:
+        xs = (x * _e8m0(s, 0))[None, :]
+    else:
+        xs = x[None, :] * _e8m0(s, 0)
     if HW:
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -132,7 +203,7 @@ def fp8_stream_kernel(
     M, R, K,
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, part_ptr, lock_ptr, stride_ps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
-    UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -145,6 +216,9 @@ def fp8_stream_kernel(
     SPLIT > 1 (narrow W: too few row tiles to fill the GPU): program (n, m * SPLIT + s, g) covers K from
     s * K_CHUNK; the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides) are added in split order by
     the last split to finish (`_split_sum`), in the same launch.
+    PREFETCH: register double buffering (Triton pipelines only loads that feed a tl.dot): the next tile's
+    weights, x and scales are loaded before the current tile's FMAs and carried into the next step; w_ptr is then
+    a uint32 view of W (K a multiple of 4) and stride_wn counts words.
     """
     pid_n = tl.program_id(0)
     m = tl.program_id(1) // SPLIT
@@ -153,16 +227,33 @@ def fp8_stream_kernel(
     offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = g * R + offs_r
     r_ok = offs_r < R
-    w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    if PREFETCH:  # w_ptr and stride_wn in uint32 words: the carried tile stays packed (a uint8 one would not)
+        w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K // 4)[None, :]
+    else:
+        w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     x_base = x_ptr + m * stride_xm + g * stride_xg + tl.arange(0, BLOCK_K)
     s_tile = s_ptr + ((g * R + pid_n * BLOCK_N) // 128) * stride_sn  # UNIFORM: the tile's scale row
     s_rows = s_ptr + (rows // 128) * stride_sn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = split * K_CHUNK
+    k_end = K
+    if PREFETCH:
+        k_end = tl.minimum(K, k_lo + K_CHUNK)  # the prefetch past this split's last tile reads nothing
+        wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k_lo, k_end, r_ok, BLOCK_K, UNIFORM, True)
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
         for u in tl.static_range(UNROLL):
-            acc = _fp8_stream_step(acc, w_base, x_base, s_tile, s_rows, k0 + u * BLOCK_K, K, r_ok, BLOCK_K, HW,
-                                   UNIFORM)
+            k = k0 + u * BLOCK_K
+            if PREFETCH:
+                nwb, nx, ns = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k + BLOCK_K, k_end, r_ok, BLOCK_K,
+                                               UNIFORM, True)
+                acc = _fp8_stream_fma_words(acc, wb, x, s, HW, UNIFORM, BLOCK_N, BLOCK_K)
+                wb, x, s = nwb, nx, ns
+            else:
+                wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k, k_end, r_ok, BLOCK_K, UNIFORM, False)
+                acc = _fp8_stream_fma(acc, wb, x, s, HW, UNIFORM)
     y = tl.sum(acc, axis=1)
     at = m * stride_ym + g * stride_yg + offs_r
     if SPLIT > 1:
@@ -253,52 +344,146 @@ def _e2m1_pair(w, Q: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_stream_part(w_base, s_base, gg, word, xs, g_ok, r_ok):
-    """[BN, G] scaled group partial sums (x 2^-14) of one tile read as uint32 words [BN, G, 4] (a row's scale
-    group of 32 values is 4 words, one 16 B load); xs[q] = x at elements 8i+q of each word, [G, 4] fp32."""
-    w = tl.load(w_base[:, None, None] + word[None, :, :], mask=r_ok[:, None, None] & g_ok[None, :, None],
-                other=0).to(tl.uint32, bitcast=True)
+def _e2m1_word_prmt(w):
+    """sm_90 only (PTX): the 8 codes of each uint32 word (element j in bits 4j..4j+3) -> 8 fp32 values / 2^14.
+
+    Each code becomes the E5M2 byte s|000|ee|m|0, the high byte of its fp16 value / 2^14: the even codes of a
+    word in one register and the odd ones in another (shifts and masks shared by 4 codes), then a byte permute
+    (prmt, zero low bytes) makes each fp16 pair and cvt widens the halves: 11 integer instructions per 8 codes
+    where _e2m1_pair takes 16 (ptxas does not find this form in the equivalent Triton bit ops)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u, ev, od, p;
+        .reg .b16 h0, h1;
+        shl.b32 t, $8, 4;
+        and.b32 t, t, 0x80808080;
+        shl.b32 u, $8, 1;
+        and.b32 u, u, 0x0E0E0E0E;
+        or.b32 ev, t, u;
+        and.b32 t, $8, 0x80808080;
+        shr.b32 u, $8, 3;
+        and.b32 u, u, 0x0E0E0E0E;
+        or.b32 od, t, u;
+        prmt.b32 p, ev, 0, 0x1404;
+        mov.b32 {h0, h1}, p;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $2, h1;
+        prmt.b32 p, ev, 0, 0x3424;
+        mov.b32 {h0, h1}, p;
+        cvt.f32.f16 $4, h0;
+        cvt.f32.f16 $6, h1;
+        prmt.b32 p, od, 0, 0x1404;
+        mov.b32 {h0, h1}, p;
+        cvt.f32.f16 $1, h0;
+        cvt.f32.f16 $3, h1;
+        prmt.b32 p, od, 0, 0x3424;
+        mov.b32 {h0, h1}, p;
+        cvt.f32.f16 $5, h0;
+        cvt.f32.f16 $7, h1;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4_stream_words(w_base, g0, n_groups, r_ok, GROUPS: tl.constexpr):
+    """uint32 words [BN, G, 4] of one K step (a row's scale group of 32 codes is 4 words: one 16 B load per
+    thread); groups past n_groups read nothing."""
+    gg = g0 + tl.arange(0, GROUPS)
+    word = gg[:, None] * 4 + tl.arange(0, 4)[None, :]
+    w = tl.load(w_base[:, None, None] + word[None, :, :], mask=r_ok[:, None, None] & (gg < n_groups)[None, :, None],
+                other=0)
+    return w.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_stream_scales(s_base, g0, n_groups, r_ok, GROUPS: tl.constexpr):
+    """UE8M0 scale bytes [BN, G] of one K step."""
+    gg = g0 + tl.arange(0, GROUPS)
+    return tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & (gg < n_groups)[None, :], other=0)
+
+
+@triton.jit
+def _mxfp4_stream_x(x_base, g0, K, GROUPS: tl.constexpr):
+    """x of one K step (GROUPS * 32 values in x's own dtype)."""
+    kx = g0 * 32 + tl.arange(0, GROUPS * 32)
+    return tl.load(x_base + kx, mask=kx < K, other=0.0)
+
+
+@triton.jit
+def _mxfp4_stream_xs(x, GROUPS: tl.constexpr):
+    """x of one K step split by nibble slot: xs[p] = x at elements 8i + p of each word i, [G, 4] fp32 each."""
+    x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (GROUPS, 4, 2, 2, 2)))  # element 8i + p, p = 4h + 2a + b: b
+    x00, x01 = tl.split(x0)  # (b=0) a
+    x10, x11 = tl.split(x1)  # (b=1) a
+    p0, p4 = tl.split(x00)
+    p2, p6 = tl.split(x01)
+    p1, p5 = tl.split(x10)
+    p3, p7 = tl.split(x11)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
+    """[BN, G] unscaled group sums (x 2^-14) of one tile of words w [BN, G, 4]: one FMA per code."""
     part = tl.zeros(w.shape, dtype=tl.float32)
-    for q in tl.static_range(4):
-        lo, hi = _e2m1_pair(w, q)  # elements 8i+q, 8i+q+4 (two codes per bit op, fp16 halves)
-        part += lo * xs[q][None, :, :]  # two separate adds: each contracts to one FMA
-        part += hi * xs[q + 4][None, :, :]
-    sc = _e8m0(tl.load(s_base[:, None] + gg[None, :], mask=r_ok[:, None] & g_ok[None, :], other=0), 0)
-    return tl.sum(part, axis=2) * sc  # the 4 words of a group are in one thread: no shuffle
+    if PRMT:
+        v = _e2m1_word_prmt(w)
+        for p in tl.static_range(8):
+            part += v[p] * xs[p][None, :, :]
+    else:
+        for q in tl.static_range(4):
+            lo, hi = _e2m1_pair(w, q)  # elements 8i+q, 8i+q+4 (two codes per bit op, fp16 halves)
+            part += lo * xs[q][None, :, :]  # two separate adds: each contracts to one FMA
+            part += hi * xs[q + 4][None, :, :]
+    return tl.sum(part, axis=2)  # the 4 words of a group are in one thread: no shuffle
 
 
 @triton.jit
 def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
-                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr):
+                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr,
+                  PRMT: tl.constexpr):
     """One token row (M = 1): W1 x (and W3 x when PAIR) over all K for a [BLOCK_N] row tile, no tl.dot.
 
     w*_base address uint32 words (8 codes each). The tile is [BLOCK_N, GROUPS, 4] words: one row's scale group
     per 16 B, so the group sum stays inside one thread and is scaled once; partials accumulate per (row, group
-    slot) and are reduced across slots once at the end. x is read as [GROUPS, 4, 8] and split by nibble slot.
+    slot) and are reduced across slots once at the end.
+    PREFETCH: register double buffering. Triton software-pipelines only loads that feed a tl.dot, so without it
+    each step waits for DRAM with nothing of its own in flight; with it the next step's words, scales and x are
+    loaded (masked off past the end) before the current step is decoded, and carried into the next iteration.
+    PRMT: the sm_90 inline-PTX decode (_e2m1_word_prmt); else the bit-op pair decode (gfx90a, the interpreter).
     """
-    offs_g = tl.arange(0, GROUPS)
-    offs_w = tl.arange(0, 4)
-    offs_x = tl.arange(0, GROUPS * 32)
+    n_groups = K // 32
     acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    for g0 in range(0, K // 32, GROUPS):
-        gg = g0 + offs_g
-        g_ok = gg < K // 32
-        word = gg[:, None] * 4 + offs_w[None, :]  # [G, 4]
-        kx = g0 * 32 + offs_x
-        x = tl.load(x_base + kx, mask=kx < K, other=0.0).to(tl.float32)
-        # element 8i + p, p = 4h + 2a + b
-        x0, x1 = tl.split(tl.reshape(x, (GROUPS, 4, 2, 2, 2)))  # b
-        x00, x01 = tl.split(x0)  # (b=0) a
-        x10, x11 = tl.split(x1)  # (b=1) a
-        p0, p4 = tl.split(x00)
-        p2, p6 = tl.split(x01)
-        p1, p5 = tl.split(x10)
-        p3, p7 = tl.split(x11)
-        xs = (p0, p1, p2, p3, p4, p5, p6, p7)
-        acc1 += _mxfp4_stream_part(w1_base, s1_base, gg, word, xs, g_ok, r_ok)
+    if PREFETCH:
+        x = _mxfp4_stream_x(x_base, 0, K, GROUPS)
+        w1 = _mxfp4_stream_words(w1_base, 0, n_groups, r_ok, GROUPS)
+        s1 = _mxfp4_stream_scales(s1_base, 0, n_groups, r_ok, GROUPS)
         if PAIR:
-            acc3 += _mxfp4_stream_part(w3_base, s3_base, gg, word, xs, g_ok, r_ok)
+            w3 = _mxfp4_stream_words(w3_base, 0, n_groups, r_ok, GROUPS)
+            s3 = _mxfp4_stream_scales(s3_base, 0, n_groups, r_ok, GROUPS)
+    for g0 in range(0, n_groups, GROUPS):
+        if PREFETCH:
+            nx = _mxfp4_stream_x(x_base, g0 + GROUPS, K, GROUPS)
+            nw1 = _mxfp4_stream_words(w1_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
+            ns1 = _mxfp4_stream_scales(s1_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
+            if PAIR:
+                nw3 = _mxfp4_stream_words(w3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
+                ns3 = _mxfp4_stream_scales(s3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
+            xs = _mxfp4_stream_xs(x, GROUPS)
+            acc1 += _mxfp4_stream_sum(w1, xs, PRMT) * _e8m0(s1, 0)
+            if PAIR:
+                acc3 += _mxfp4_stream_sum(w3, xs, PRMT) * _e8m0(s3, 0)
+            x, w1, s1 = nx, nw1, ns1
+            if PAIR:
+                w3, s3 = nw3, ns3
+        else:  # words loaded after x's split and scales after the sum: the order that gives gfx90a v_fma_mix_f32
+            xs = _mxfp4_stream_xs(_mxfp4_stream_x(x_base, g0, K, GROUPS), GROUPS)
+            part = _mxfp4_stream_sum(_mxfp4_stream_words(w1_base, g0, n_groups, r_ok, GROUPS), xs, PRMT)
+            acc1 += part * _e8m0(_mxfp4_stream_scales(s1_base, g0, n_groups, r_ok, GROUPS), 0)
+            if PAIR:
+                part = _mxfp4_stream_sum(_mxfp4_stream_words(w3_base, g0, n_groups, r_ok, GROUPS), xs, PRMT)
+                acc3 += part * _e8m0(_mxfp4_stream_scales(s3_base, g0, n_groups, r_ok, GROUPS), 0)
     return tl.sum(acc1, axis=1) * 16384.0, tl.sum(acc3, axis=1) * 16384.0  # undo the decode's 2^-14 (exact)
 
 
@@ -309,11 +494,12 @@ def moe_gate_up_kernel(
     I, D, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    DOT: tl.constexpr = 1, STREAM: tl.constexpr = False,
+    DOT: tl.constexpr = 1, STREAM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PRMT: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h).
-    STREAM: one token, the dot-free stream (w*_ptr uint32 views); else tl.dot in DOT's operand dtype
-    (0 fp32, 1 bf16, 2 fp16) over BLOCK_M gathered pair rows."""
+    STREAM: one token, the dot-free stream (w*_ptr uint32 views; PREFETCH and PRMT as in _mxfp4_stream); else
+    tl.dot in DOT's operand dtype (0 fp32, 1 bf16, 2 fp16) over BLOCK_M gathered pair rows."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
@@ -331,7 +517,7 @@ def moe_gate_up_kernel(
         s_off = e64 * stride_se + offs_n * stride_sn
         if STREAM:  # BLOCK_M == 1: one (token, expert) pair per block; w*_ptr are uint32 views
             g1, u1 = _mxfp4_stream(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off,
-                                   x_row, D, r_ok, BLOCK_N, GROUPS, True)
+                                   x_row, D, r_ok, BLOCK_N, GROUPS, True, PREFETCH, PRMT)
             g = g1[None, :]
             u = u1[None, :]
         else:
@@ -353,10 +539,12 @@ def moe_down_kernel(
     out_ptr, add_ptr, lock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
     STREAM: tl.constexpr = False, SUM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later).
-    SUM (one token, STREAM: block j is pair j): the last of the k pair programs of an output tile adds the k
-    rows in order (plus add_ptr's shared-expert row when HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
+    STREAM, PREFETCH, PRMT as in moe_gate_up_kernel. SUM (one token, STREAM: block j is pair j): the last of
+    the k pair programs of an output tile adds the k rows in order (plus add_ptr's shared-expert row when
+    HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
@@ -372,7 +560,8 @@ def moe_down_kernel(
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
         if STREAM:  # BLOCK_M == 1; w2_ptr is a uint32 view
-            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_row, I, r_ok, BLOCK_N, GROUPS, False)
+            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_row, I, r_ok, BLOCK_N, GROUPS, False, PREFETCH,
+                                  PRMT)
             y = y1[None, :]
         else:
             y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
@@ -960,6 +1149,7 @@ def _sig(names: str, types: str, **const: object) -> tuple[dict[str, str], dict[
 _FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym stride_yg",
              "*bf16 *u8 *u8 *bf16 i32 i32 i32 i32 i32 i32 i32 i32 i32")
 _FP8_STREAM_ARGS = (_FP8_ARGS[0] + " K_CHUNK part_ptr lock_ptr stride_ps", _FP8_ARGS[1] + " i32 *fp32 *i32 i32")
+_FP8_WORDS_ARGS = (_FP8_STREAM_ARGS[0], _FP8_STREAM_ARGS[1].replace("*u8", "*i32", 1))  # PREFETCH: W as uint32 words
 _MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr I D limit "
            "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
            "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
@@ -991,6 +1181,15 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_down_stream", moe_down_kernel,  # one token: the k pair rows summed by the last pair (+ shared)
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, SUM=True, HAS_ADD=True), 4, False),
+    ("fp8_stream_prefetch", fp8_stream_kernel,  # the default tile (FP8_STREAM), register double buffering
+     _sig(*_FP8_WORDS_ARGS, BLOCK_N=64, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True), 8,
+     False),
+    ("moe_gate_up_stream_prefetch", moe_gate_up_kernel,
+     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True), 4, False),
+    ("moe_down_stream_prefetch", moe_down_kernel,
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
+          STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr add_ptr D", "*fp32 *bf16 *bf16 i32", TOPK=6, BLOCK_D=1024,
                                      HAS_ADD=True), 4, False),
     ("rms_norm", rms_norm_kernel,
@@ -1067,8 +1266,18 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=256), 4, False),
 ]
 
-# Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above).
+# Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above)
+# and the inline-PTX E2M1 decode (PRMT).
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
+    ("fp8_stream_hw_prefetch", fp8_stream_kernel,
+     _sig(*_FP8_WORDS_ARGS, BLOCK_N=64, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True), 8,
+     False),
+    ("moe_gate_up_stream_prmt", moe_gate_up_kernel,
+     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
+          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True, PRMT=True), 4, False),
+    ("moe_down_stream_prmt", moe_down_kernel,
+     _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
+          STREAM=True, PRMT=True), 4, False),
 ]
