@@ -107,7 +107,10 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of two decode steps")
     ap.add_argument("--out", help="write the results JSON here too")
+    ap.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override a triton launch table entry, e.g. MOE_STREAM.PREFETCH=True (repeatable)")
     a = ap.parse_args()
+    overrides = apply_overrides(a.set)
     device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
     cfg = Config(**(SMALL if a.small else FLASH))
     weights, total, floor = random_packed(cfg, device)
@@ -127,6 +130,7 @@ def main() -> None:
 
     eager_ms = time_steps(eager, first, a.steps, device)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "date": time.strftime("%F"),
+           "overrides": overrides,
            "backend": backend, "dtype": str(dtype), "layers": cfg.num_hidden_layers,
            "compress_ratios": cfg.compress_ratios, "weight_bytes": total, "floor_bytes_per_token": floor,
            "slice_eager_decode_ms_per_token": statistics.median(eager_ms), "eager_steps_ms": eager_ms}
@@ -167,6 +171,25 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "slice.json"), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def apply_overrides(items: list[str]) -> dict:
+    """TABLE.KEY=VALUE (a Python literal) into cdna2_engine.ops.triton's launch tables (FP8_STREAM, MOE_STREAM,
+    ...), for trying a variant without editing the defaults; returns what was set."""
+    import ast
+
+    from cdna2_engine.ops import triton as tri
+
+    done = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        table, _, key = name.partition(".")
+        target = getattr(tri, table, None)
+        if not isinstance(target, dict) or key not in target or not value:
+            raise SystemExit(f"--set {item!r}: use TABLE.KEY=VALUE with an existing key of a dict in "
+                             f"cdna2_engine.ops.triton (e.g. MOE_STREAM.PREFETCH=True)")
+        target[key] = done[name] = ast.literal_eval(value)
+    return done
 
 
 def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dict:
