@@ -182,6 +182,8 @@ class Attention:
         self.m, self.i, self.p, self.w = model, i, p, w
         self.ratio = cfg.compress_ratios[i]
         self.rope = model.rope_c if self.ratio else model.rope_main
+        self.q_lora = w[p + "wq_a.weight"].shape[0]
+        self.wqkv = _join_rows(w, p + "wq_a.weight", p + "wkv.weight")  # both read x: one stream (FP8: if aligned)
         self.compressor = Compressor(w, p + "compressor.", self.ratio, cfg.head_dim, model) if self.ratio else None
         self.indexer = (Compressor(w, p + "indexer.compressor.", 4, cfg.index_head_dim, model)
                         if self.ratio == 4 else None)
@@ -192,10 +194,13 @@ class Attention:
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         cos, sin = ctx.rope(self.rope, pos, B, S)
-        qr = ops.rms_norm(ops.linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
+        if self.wqkv is None:
+            qr, kv = ops.linear(x, w[p + "wq_a.weight"]), ops.linear(x, w[p + "wkv.weight"])
+        else:
+            qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
+        qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
-        kv = ops.linear(x, w[p + "wkv.weight"]).unsqueeze(2)
-        kv = ops.norm_rope(kv, w[p + "kv_norm.weight"], eps, cos, sin).squeeze(2)  # [B, S, hd]
+        kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin).squeeze(2)  # [B, S, hd]
         return q, kv, qr, cos, sin
 
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:

@@ -186,3 +186,22 @@ def test_decode_step_launch_budget(ckpt):
     kernels = [name for name, _ in calls if not name.startswith("aten.")]
     assert "moe_gate_up_kernel" in kernels and "attention_kernel" in kernels  # it counted the triton path
     assert len(calls) <= DECODE_LAUNCH_BUDGET, "\n".join(f"{n}  {line}" for n, line in calls)
+
+
+def test_joined_linears_compute_what_the_separate_ones_do(tmp_path, monkeypatch):
+    """Linears that read the same input are joined at load (wq_a|wkv and the shared expert's w1|w3 in FP8 on
+    a 128-row boundary, the compressors' wkv|wgate unquantized): the logits of a prefill and of static decode
+    steps equal those of the same checkpoint loaded with every join refused (float64: summation order only)."""
+    from cdna2_engine import model as model_mod
+
+    cfg = make_config("mixed", q_lora_rank=128, moe_intermediate_size=128)  # FP8 rows on 128-row blocks
+    path = make_checkpoint(tmp_path, cfg, seed=9)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    joined = cdna2_engine.load_model(path, dtype=torch.float64)
+    assert any("+wkv" in k for k in joined.w) and any("+w3" in k for k in joined.w) and any("+wgate" in k for k in
+                                                                                          joined.w)
+    monkeypatch.setattr(model_mod, "_join_rows", lambda w, a, b: None)
+    apart = cdna2_engine.load_model(path, dtype=torch.float64)
+    assert not any("+" in k for k in apart.w)
+    a, b = run_static(joined, ids, 30), run_static(apart, ids, 30)
+    assert rel(a, b).max() <= 1e-12

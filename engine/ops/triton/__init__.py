@@ -147,8 +147,10 @@ FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": 
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
 # PREFETCH: register double buffering of the next K step; PRMT: the inline-PTX E2M1 decode (CUDA only: ignored
 # on ROCm and in the CPU interpreter). Both off until measured on the H200.
+# SPLIT_UP / SPLIT_DOWN: K splits (one token's 6 blocks are too few programs to keep enough loads in flight:
+# Nsight Compute on the H200 showed gate_up at 0.83 waves, 36% occupancy, warps stalled on memory).
 MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 run 8
-              "PREFETCH": False, "PRMT": False}
+              "PREFETCH": False, "PRMT": False, "SPLIT_UP": 1, "SPLIT_DOWN": 1}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -319,12 +321,22 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     words = kw.get("STREAM", False)  # the stream reads the packed codes as uint32 words
     d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
-    launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
+    split = _moe_split("SPLIT_UP", d, groups) if words else 1
+    part = _empty(blk_e.numel(), split, 2, inter, dtype=torch.float32, device=x.device) if split > 1 else h
+    tiles = triton_cdiv(inter, bn)
+    launch("moe_gate_up_kernel", (tiles, blk_e.numel() * split),
            x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
            inter, d, float(limit or 0.0),
-           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, **kw)
+           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), part,
+           _locks(x.device, tiles * blk_e.numel() if split > 1 else 0),
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SPLIT=split, **kw)
     return h
+
+
+def _moe_split(key: str, k: int, groups: int) -> int:
+    """K splits of a one-token MoE stream (MOE_STREAM[key]), kept to a whole number of GROUPS-wide steps each."""
+    split = MOE_STREAM[key]
+    return split if split > 1 and (k // 32) % (split * groups) == 0 else 1
 
 
 def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
@@ -342,15 +354,16 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     if fused and not (words and bm == 1):
         raise ValueError("moe_down: the fused sum is for one token on the stream path")
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
-    c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
+    split = _moe_split("SPLIT_DOWN", inter, groups) if fused else 1
+    c = _empty(h.shape[0] * split, d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
     locks = _locks(h.device, triton_cdiv(d, bn) if fused else 0)
-    launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
+    launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel() * split),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
            out if fused else c, c if add is None else add.contiguous(), locks,
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, **kw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, SPLIT=split, **kw)
     return out if fused else c
 
 
