@@ -193,10 +193,10 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
         saved_st = dict(tri.MOE_STREAM)
         # the one-token stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA only)
-        streams = [("stream", False, False, 1), ("stream prefetch", True, False, 1), ("stream prmt", False, True, 1),
-                   ("stream prefetch prmt", True, True, 1), ("stream prefetch prmt split4", True, True, 4)]
-        for variant, pf, prmt, sp in (streams + [("dot", False, False, 1)]) if t == 1 else [("dot", False, False, 1)]:
-            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf, PRMT=prmt, SPLIT_UP=sp, SPLIT_DOWN=sp)
+        streams = [("stream", False, False), ("stream prefetch", True, False), ("stream prmt", False, True),
+                   ("stream prefetch prmt", True, True)]
+        for variant, pf, prmt in (streams + [("dot", False, False)]) if t == 1 else [("dot", False, False)]:
+            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf, PRMT=prmt)
             got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
             check(results, f"moe_experts T={t} {variant}", rel(got, want))
         tri.MOE_STREAM.update(saved_st)
@@ -393,15 +393,13 @@ def _short(cfg: dict) -> str:
 def stream_sweep(results: dict, copy: float) -> None:
     """--stream-sweep: the one-token weight streams only, as fractions of the copy bandwidth. MXFP4 gate_up + down
     (one launch each, 24 routings x 6 of 256 experts) and FP8 wq_b (1024 -> 32768, 8 weights) under the committed
-    defaults, PREFETCH (register double buffering), PRMT (the inline-PTX E2M1 decode), K splits and tiles.
+    defaults, PREFETCH (register double buffering), PRMT (the inline-PTX E2M1 decode) and tiles.
     The globals are restored afterwards (nothing is adopted)."""
     moe0, fp80 = dict(tri.MOE_STREAM), dict(tri.FP8_STREAM)
-    moe_cfgs = [dict(moe0), dict(moe0, PREFETCH=True, PRMT=True)]
-    for bn, g, nw in ((16, 8, 4), (8, 16, 2), (16, 16, 4), (32, 8, 4)):  # K splits: run 15's Nsight Compute
-        for up, down in ((2, 2), (4, 2), (4, 4), (8, 4)):  # showed one token's grid too small to hide latency
-            moe_cfgs += [dict(moe0, BLOCK_N=bn, GROUPS=g, num_warps=nw, PREFETCH=True, PRMT=True, SPLIT_UP=up,
-                              SPLIT_DOWN=down)]
-    moe_cfgs += [dict(moe0, PREFETCH=False, PRMT=True, SPLIT_UP=4, SPLIT_DOWN=2)]
+    moe_cfgs = [dict(moe0)] + [dict(moe0, PREFETCH=pf, PRMT=pr) for pf, pr in ((False, False), (True, False),
+                                                                                 (False, True))]
+    for bn, g, nw in ((16, 8, 2), (32, 8, 4), (16, 16, 4), (8, 16, 2), (32, 8, 8)):
+        moe_cfgs += [dict(moe0, BLOCK_N=bn, GROUPS=g, num_warps=nw, PREFETCH=True, PRMT=True)]
     fp8_cfgs = [dict(fp80), dict(fp80, PREFETCH=True), dict(fp80, PREFETCH=True, UNROLL=2)]
     for bn, bk, nw in ((32, 256, 4), (64, 128, 8), (128, 128, 8), (32, 128, 4), (16, 256, 4)):  # run 15's best
         fp8_cfgs += [dict(fp80, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=True, UNROLL=u) for u in (1, 2)]

@@ -548,19 +548,26 @@ class Model:
         x = w["embed.weight"][ids].to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
         hc = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
-        for i in range(cfg.num_hidden_layers):
+
+        def mix(i: int, block: str) -> tuple:
+            p = f"layers.{i}.hc_{block}_"
+            return w[p + "fn"], w[p + "base"], w[p + "scale"], *hc
+
+        post, comb, xin = ops.hc_pre(h, *mix(0, "attn"))
+        for i in range(cfg.num_hidden_layers):  # hc_post_pre: one block's mHC post and the next one's pre
             p = f"layers.{i}."
-            post, comb, xin = ops.hc_pre(h, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"], *hc)
             ctx.tap(f"{i}.attn_in", xin)
             a = attend(i, ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps))
             ctx.tap(f"{i}.attn_out", a)
-            h = ops.hc_post(a, h, post, comb)
+            h, post, comb, xin = ops.hc_post_pre(a, h, post, comb, *mix(i, "ffn"))
             ctx.tap(f"{i}.attn", h)
-            post, comb, xin = ops.hc_pre(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"], *hc)
             ctx.tap(f"{i}.ffn_in", xin)
             f = self.moe[i](ops.rms_norm(xin, w[p + "ffn_norm.weight"], cfg.rms_norm_eps), ids, ctx)
             ctx.tap(f"{i}.ffn_out", f)
-            h = ops.hc_post(f, h, post, comb)
+            if i + 1 < cfg.num_hidden_layers:
+                h, post, comb, xin = ops.hc_post_pre(f, h, post, comb, *mix(i + 1, "attn"))
+            else:
+                h = ops.hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
         y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         y = ops.rms_norm(y, w["norm.weight"], cfg.rms_norm_eps)

@@ -108,6 +108,68 @@ def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B,
     check("hc_post", y, reference.hc_post(f64(out), f64(h), rpost, rcomb), dtype, cdna2_tolerance, cdna2_record)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_hc_post_pre(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, n):
+    """A block's mHC post fused with the next block's pre (the decode path): streams, weights and input."""
+    torch.manual_seed(n + 11)
+    D, dev = 300, cdna2_device
+    h, out = rnd(1, 1, n, D, dev=dev, dtype=dtype), rnd(1, 1, D, dev=dev, dtype=dtype)
+    post, comb = torch.rand(1, 1, n, device=dev) * 2, torch.rand(1, 1, n, n, device=dev)
+    fn = rnd(2 * n + n * n, n * D, dev=dev, scale=3 / (n * D) ** 0.5)
+    base, scale = rnd(2 * n + n * n, dev=dev), torch.rand(3, device=dev) + 0.5
+    got = ops.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6)
+    # the reference reads the streams as the kernel stores them (in dtype): the weights are then fp32 math
+    y = reference.hc_post(f64(out), f64(h), f64(post), f64(comb))
+    want = (y, *reference.hc_pre(f64(y.to(dtype)), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6))
+    check("hc_post_pre_streams", got[0], want[0], dtype, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_weights", torch.cat([got[1], got[2].flatten(-2)], -1),
+          torch.cat([want[1], want[2].flatten(-2)], -1), torch.float32, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_input", got[3], want[3], dtype, cdna2_tolerance, cdna2_record)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_route(ops, cdna2_device, scoring):
+    """MoE routing in one kernel: the same experts as the reference (discrete logits: exact ties broken by the
+    lower id in any precision), weights within fp32 rounding, hash routing (given experts) too."""
+    torch.manual_seed(len(scoring))
+    logits = (torch.randint(-8, 9, (5, 256)).float() / 2).to(cdna2_device)
+    bias = (torch.randint(0, 3, (256,)).float() / 4).to(cdna2_device)
+    fixed = torch.randint(0, 256, (5, 6), dtype=torch.int32, device=cdna2_device)
+    for b, fx in ((bias, None), (None, fixed)):
+        idx, w, _ = ops.route(logits, b, 6, scoring, 2.5, fx)
+        ridx, rw, _ = reference.route(f64(logits), f64(b), 6, scoring, 2.5, fx)
+        assert torch.equal(idx.cpu(), ridx.cpu()), f"route({scoring}) picked other experts than the reference"
+        assert torch.allclose(w.double().cpu(), rw.cpu(), rtol=1e-5, atol=0), f"route({scoring}) weights differ"
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_norm_rope(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, weighted):
+    """q's per-head RMSNorm (unweighted) and kv's (weighted), each fused with RoPE."""
+    torch.manual_seed(17 + weighted)
+    x = rnd(2, 3, 5, 40, dev=cdna2_device, dtype=dtype, scale=3)
+    w = (torch.rand(40, device=cdna2_device) + 0.5).to(dtype) if weighted else None
+    ang = torch.rand(2, 3, 8, dtype=torch.float64, device=cdna2_device) * 100
+    out = ops.norm_rope(x, w, 1e-6, ang.cos(), ang.sin())
+    check("norm_rope", out, reference.norm_rope(f64(x), f64(w), 1e-6, ang.cos(), ang.sin()), dtype,
+          cdna2_tolerance, cdna2_record)
+
+
+def test_swiglu(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record):
+    torch.manual_seed(19)
+    g, u = rnd(3, 2 * 700, dev=cdna2_device, dtype=dtype, scale=6).split(700, -1)
+    check("swiglu", ops.swiglu(g, u, 7.0), reference.swiglu(f64(g), f64(u), 7.0), dtype, cdna2_tolerance,
+          cdna2_record)
+
+
+@pytest.mark.parametrize("T, k", [(21, 21), (300, 100)])
+def test_topk_mask(ops, cdna2_device, T, k):
+    """The indexer's pick as a mask: the top-k set with ties to the lower index, hidden (-inf) entries never in."""
+    torch.manual_seed(T)
+    s = (torch.randint(0, 6, (2, 1, T)).float() / 4).to(cdna2_device)
+    s[1, :, ::3] = float("-inf")
+    assert torch.equal(ops.topk_mask(s, k).cpu(), reference.topk_mask(s.cpu(), k)), "topk_mask picked another set"
+
+
 @pytest.mark.parametrize("ratio, d, pos", [(4, 40, 9), (128, 24, 130)])
 def test_compress_step(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, ratio, d, pos):
     """One decode token through a compressor's fixed buffers (CSA ring of two windows, HCA of one): the ring

@@ -82,6 +82,30 @@ def test_hc_post(n, rows, d):
     assert rel(got, ref.hc_post(out.double(), h.double(), post.double(), comb.double())) <= 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hc_post_pre(n, rows, d, dtype):
+    """A block's mHC post and the next block's pre in two launches (the post launch writes the next mix's
+    partials from the streams as rounded to their dtype): the streams, weights and input match the reference's
+    composition."""
+    g = torch.Generator().manual_seed(n * 7 + rows + d)
+    h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
+    post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
+    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
+    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
+    got = tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6)
+    want = ref.hc_post_pre(out.double(), h.double(), post.double(), comb.double(), fn.double(), base.double(),
+                           scale.double(), n, 20, 1e-6, 1e-6)
+    # fp16: the new streams are rounded to fp16 (2^-11) before the next mix reads them, as stored streams are; the
+    # float64 reference keeps them exact, so the weights differ by that rounding (the kernel tier's fp16 limit 1e-2
+    # for the streams and the input, 1e-3 for the weights); fp32 arithmetic against float64: 1e-5
+    tols = (1e-5,) * 4 if dtype == torch.float32 else (1e-2, 1e-3, 1e-3, 1e-2)
+    for a, b, t in zip(got, want, tols, strict=True):
+        assert a.shape == b.shape
+        assert rel(a, b) <= t
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
 def test_hc_head(n, rows, d):

@@ -93,20 +93,16 @@ def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (1, 3, 7.0, "stream"),
-                          (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch"), (1, 3, 7.0, "stream_split"),
-                          (1, 2, 0.0, "stream_split_prefetch")])
+                          (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch")])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
     """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream (whose
     down launch also sums the k rows, and the shared expert's output when given), also with register double
     buffering (the PRMT decode is inline PTX: GPU only, checked by bench_kernels.py)."""
     monkeypatch.setitem(tri.MOE_STREAM, "on", variant.startswith("stream"))
-    monkeypatch.setitem(tri.MOE_STREAM, "PREFETCH", variant.endswith("prefetch"))
-    split = 2 if "split" in variant else 1  # K split in two, partials added by the last split to arrive
-    monkeypatch.setitem(tri.MOE_STREAM, "SPLIT_UP", split)
-    monkeypatch.setitem(tri.MOE_STREAM, "SPLIT_DOWN", split)
+    monkeypatch.setitem(tri.MOE_STREAM, "PREFETCH", variant == "stream_prefetch")
     g = gen(300 + t)
-    e, d, inter = (5, 128, 256) if split > 1 else (5, 96, 160)  # split: whole 2-group steps per split
+    e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)
     x = (torch.randn(t, d, generator=g) * 0.2).to(dtype)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])

@@ -19,6 +19,7 @@ OP_NAMES = (
     "rms_norm",
     "hc_pre",
     "hc_post",
+    "hc_post_pre",
     "hc_head",
     "compress_step",
     "rope",

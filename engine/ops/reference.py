@@ -177,6 +177,15 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     return (post.unsqueeze(-1) * out.to(acc).unsqueeze(-2) + comb.transpose(-1, -2) @ h.to(acc)).to(h.dtype)
 
 
+def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float,
+                hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC between two blocks: hc_post of the block before, then hc_pre of the next (fn, base, scale): the new
+    streams, and the next block's post, comb and input (a backend may fuse the two)."""
+    h2 = hc_post(out, h, post, comb)
+    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps))
+
+
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
                   entries: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, pos: torch.Tensor, ratio: int, eps: float) -> None:

@@ -145,12 +145,11 @@ FP8_STREAM_MAX_M = 1
 FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
               "PREFETCH": False}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
-# PREFETCH: register double buffering of the next K step; PRMT: the inline-PTX E2M1 decode (CUDA only: ignored
-# on ROCm and in the CPU interpreter). Both off until measured on the H200.
-# SPLIT_UP / SPLIT_DOWN: K splits (one token's 6 blocks are too few programs to keep enough loads in flight:
-# Nsight Compute on the H200 showed gate_up at 0.83 waves, 36% occupancy, warps stalled on memory).
-MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 run 8
-              "PREFETCH": False, "PRMT": False, "SPLIT_UP": 1, "SPLIT_DOWN": 1}
+# PREFETCH: register double buffering of the next K step (None: on for CUDA, where it won on the H200, runs 15-16;
+# off for gfx90a, whose prefetching loop compiles 1.2-2.4x longer); PRMT: the inline-PTX E2M1 decode (CUDA only:
+# ignored on ROCm and in the CPU interpreter). K splits of the one-token streams lost (run 16) and were removed.
+MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 runs 8, 15, 16
+              "PREFETCH": None, "PRMT": True}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -302,7 +301,8 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[in
     if tokens == 1 and MOE_STREAM["on"] and bm == 1:
         c = dict(MOE_STREAM, BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1) if launch.cpu else MOE_STREAM
         return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
-                                           "STREAM": True, "PREFETCH": bool(c["PREFETCH"]),
+                                           "STREAM": True,
+                                           "PREFETCH": _ptx(x) if c["PREFETCH"] is None else bool(c["PREFETCH"]),
                                            "PRMT": bool(c["PRMT"]) and _ptx(x)}
     dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
     if launch.cpu:
@@ -321,22 +321,12 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     words = kw.get("STREAM", False)  # the stream reads the packed codes as uint32 words
     d1, s1, d3, s3 = _packed(w1.data, words), _u8(w1.scale), _packed(w3.data, words), _u8(w3.scale)
     h = _empty(pair_tok.numel(), inter, dtype=torch.float32, device=x.device)
-    split = _moe_split("SPLIT_UP", d, groups) if words else 1
-    part = _empty(blk_e.numel(), split, 2, inter, dtype=torch.float32, device=x.device) if split > 1 else h
-    tiles = triton_cdiv(inter, bn)
-    launch("moe_gate_up_kernel", (tiles, blk_e.numel() * split),
+    launch("moe_gate_up_kernel", (triton_cdiv(inter, bn), blk_e.numel()),
            x, d1, s1, d3, s3, h, pair_tok, blk_e, blk_lo, blk_hi,
            inter, d, float(limit or 0.0),
-           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), part,
-           _locks(x.device, tiles * blk_e.numel() if split > 1 else 0),
-           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SPLIT=split, **kw)
+           x.stride(0), d1.stride(0), d1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+           HAS_LIMIT=bool(limit and limit > 0), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, **kw)
     return h
-
-
-def _moe_split(key: str, k: int, groups: int) -> int:
-    """K splits of a one-token MoE stream (MOE_STREAM[key]), kept to a whole number of GROUPS-wide steps each."""
-    split = MOE_STREAM[key]
-    return split if split > 1 and (k // 32) % (split * groups) == 0 else 1
 
 
 def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
@@ -354,16 +344,15 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     if fused and not (words and bm == 1):
         raise ValueError("moe_down: the fused sum is for one token on the stream path")
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
-    split = _moe_split("SPLIT_DOWN", inter, groups) if fused else 1
-    c = _empty(h.shape[0] * split, d, dtype=torch.float32, device=h.device)
+    c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
     locks = _locks(h.device, triton_cdiv(d, bn) if fused else 0)
-    launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel() * split),
+    launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
            out if fused else c, c if add is None else add.contiguous(), locks,
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, SPLIT=split, **kw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, **kw)
     return out if fused else c
 
 
@@ -400,7 +389,9 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
-DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}  # H200 run 8: the head at 1.00 of copy
+# H200 run 8: the head at 1.00 of copy. PROGRAMS: narrower weights split K until about this many programs (a
+# program is 2 warps; at two per SM the compressors' and router's weights streamed at ~5 us a call, run 14)
+DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -414,7 +405,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     bn, bk = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm)
     launch = _Launch(x)
     blocks = triton_cdiv(n, bn)
-    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // blocks))
+    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_GEMV["PROGRAMS"] // blocks))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
     y = _empty(m, n, dtype=out_dtype, device=x.device)
@@ -427,7 +418,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-LOCKS = 4096  # split launches have fewer than MIN_PROGRAMS tiles (they split because of that)
+LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
@@ -543,31 +534,34 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
 
 
-def _hc_collapse(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-                 norm_eps: float, hc_eps: float, head: bool):
-    """Two launches: the split-K mix of the streams h [..., n, D] with fn, then per (row, D block) the mHC
-    weights and the collapsed input. Returns (post, comb, x) flattened over rows (post, comb None if head)."""
-    d = h.shape[-1]
-    h2 = h.reshape(-1, n * d).contiguous()
+def _hc_mix(h2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """mHC's split-K mix partials of the flattened streams h2 [rows, n*D] with fn (one launch): [rows, split, MIX+1]."""
     rows, k = h2.shape
     fn = fn.float().contiguous()
     mix, bk = fn.shape[0], 128
     split = max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // rows))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
-    pw = mix + 1
-    part = _empty(rows, split, pw, dtype=torch.float32, device=h.device)
-    launch = _Launch(h)
-    launch("hc_mix_partial_kernel", (rows, split), h2, fn, part, k, chunk, mix, h2.stride(0), fn.stride(0),
-           part.stride(0), PW=pw, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
-    post = None if head else _empty(rows, n, dtype=torch.float32, device=h.device)
-    comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h.device)
-    x = _empty(rows, d, dtype=torch.float32 if head else h.dtype, device=h.device)  # the head's input: fp32
+    part = _empty(rows, split, mix + 1, dtype=torch.float32, device=h2.device)
+    _Launch(h2)("hc_mix_partial_kernel", (rows, split), h2, fn, part, k, chunk, mix, h2.stride(0), fn.stride(0),
+                part.stride(0), PW=mix + 1, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
+    return part, split
+
+
+def _hc_collapse(part: torch.Tensor, split: int, h2: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 n: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
+    """One launch over (row, D block): the mHC weights from the mix partials and the collapsed input. Returns
+    (post, comb, x) flattened over rows (post, comb None for the head, whose x is fp32)."""
+    rows, d = h2.shape[0], h2.shape[1] // n
+    post = None if head else _empty(rows, n, dtype=torch.float32, device=h2.device)
+    comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h2.device)
+    x = _empty(rows, d, dtype=torch.float32 if head else h2.dtype, device=h2.device)  # the head's input: fp32
     bd = min(HC_BLOCK_D, _pow2(d))
-    launch("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h2, base.float().contiguous(), scale.float().contiguous(),
-           x if head else post, x if head else comb, x, n, d, split, iters, float(norm_eps), float(hc_eps),
-           part.stride(0), h2.stride(0), x.stride(0), PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd,
-           HEAD=head, num_warps=1)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
+    _Launch(h2)("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h2, base.float().contiguous(),
+                scale.float().contiguous(), x if head else post, x if head else comb, x, n, d, split, iters,
+                float(norm_eps), float(hc_eps), part.stride(0), h2.stride(0), x.stride(0), PW=part.shape[-1],
+                NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd, HEAD=head,
+                num_warps=1)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
     return post, comb, x
 
 
@@ -578,7 +572,8 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if _use_reference(h):
         return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
     lead, d = h.shape[:-2], h.shape[-1]
-    post, comb, x = _hc_collapse(h, fn, base, scale, n, iters, norm_eps, hc_eps, head=False)
+    h2 = h.reshape(-1, n * d).contiguous()
+    post, comb, x = _hc_collapse(*_hc_mix(h2, fn), h2, base, scale, n, iters, norm_eps, hc_eps, head=False)
     return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
 
 
@@ -588,23 +583,47 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if _use_reference(h):
         return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps)
     lead, (n, d) = h.shape[:-2], h.shape[-2:]
-    return _hc_collapse(h, fn, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
+    h2 = h.reshape(-1, n * d).contiguous()
+    return _hc_collapse(*_hc_mix(h2, fn), h2, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
 
 
-def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """mHC after a block (as reference.hc_post): one launch, rows x D blocks."""
-    if _use_reference(out, h, post):
-        return _ref.hc_post(out, h, post, comb)
+def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             fn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_post's launch: the new streams [rows, n*D], and with `fn` the next hc_pre's mix partials as well."""
     n, d = h.shape[-2:]
     h2 = h.reshape(-1, n * d).contiguous()
     o2 = out.reshape(-1, d).contiguous()
     rows = h2.shape[0]
     y = _empty(rows, n * d, dtype=h.dtype, device=h.device)
     bd = min(HC_BLOCK_D, _pow2(d))
-    _Launch(h)("hc_post_kernel", (rows, triton_cdiv(d, bd)), o2, h2, post.reshape(rows, n).float().contiguous(),
-               comb.reshape(rows, n, n).float().contiguous(), y, n, d, o2.stride(0), h2.stride(0), y.stride(0),
-               NP=_pow2(n, 2), BLOCK_D=bd, num_warps=4)
-    return y.reshape(h.shape)
+    blocks = triton_cdiv(d, bd)
+    mix = 0 if fn is None else fn.shape[0]
+    fn = y if fn is None else fn.float().contiguous()
+    part = _empty(rows, blocks, mix + 1, dtype=torch.float32, device=h.device) if mix else y
+    _Launch(h)("hc_post_kernel", (rows, blocks), o2, h2, post.reshape(rows, n).float().contiguous(),
+               comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h2.stride(0),
+               y.stride(0), fn.stride(0), part.stride(0), NP=_pow2(n, 2), BLOCK_D=bd, MIXP=_pow2(max(mix, 1), 1),
+               PW=mix + 1, MIX_NEXT=mix > 0, num_warps=4)
+    return y, (part if mix else None)
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC after a block (as reference.hc_post): one launch, rows x D blocks."""
+    if _use_reference(out, h, post):
+        return _ref.hc_post(out, h, post, comb)
+    return _hc_post(out, h, post, comb)[0].reshape(h.shape)
+
+
+def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float, hc_eps: float):
+    """hc_post then the next block's hc_pre (as reference.hc_post_pre) in two launches instead of three: the
+    post launch also writes the next mix's partials, one split per D block."""
+    if _use_reference(out, h, post):
+        return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, iters, norm_eps, hc_eps)
+    lead, d = h.shape[:-2], h.shape[-1]
+    y, part = _hc_post(out, h, post, comb, fn)
+    post2, comb2, x = _hc_collapse(part, part.shape[1], y, base, scale, n, iters, norm_eps, hc_eps, head=False)
+    return y.reshape(h.shape), post2.reshape(*lead, n), comb2.reshape(*lead, n, n), x.reshape(*lead, d)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -733,6 +752,6 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_head", "compress_step", "rope",
-           "norm_rope", "rope_cos_sin", "attention", "topk", "topk_mask", "route", "swiglu", "index_scores",
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_post_pre", "hc_head", "compress_step",
+           "rope", "norm_rope", "rope_cos_sin", "attention", "topk", "topk_mask", "route", "swiglu", "index_scores",
            "moe_experts", "moe_blocks"]

@@ -88,14 +88,6 @@ def fp8_matmul_kernel(
 
 
 @triton.jit
-def _last_to_arrive(lock_at, n_split):
-    """After this program's partial stores: count it in on the lock (barrier, then one integer atomic, acq_rel);
-    True for the last of n_split arrivals, which then reads every partial and must reset the lock to 0."""
-    tl.debug_barrier()
-    return tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1
-
-
-@triton.jit
 def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add_at, HAS_ADD: tl.constexpr):
     """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
     itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
@@ -103,7 +95,8 @@ def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add
     for the next launch (or replay). The barrier orders all threads' partial stores before the release (the
     usual semaphore pattern)."""
     tl.store(part_at + split * part_stride, y, mask=ok)
-    if _last_to_arrive(lock_at, n_split):
+    tl.debug_barrier()
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
         tot = tl.load(part_at, mask=ok, other=0.0)
         for j in range(1, n_split):
             tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
@@ -446,11 +439,10 @@ def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, g_lo, n_groups,
+def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr,
                   PRMT: tl.constexpr):
-    """One token row (M = 1): W1 x (and W3 x when PAIR) over scale groups g_lo .. n_groups - 1 of K (all of K,
-    or one split of it) for a [BLOCK_N] row tile, no tl.dot.
+    """One token row (M = 1): W1 x (and W3 x when PAIR) over all K for a [BLOCK_N] row tile, no tl.dot.
 
     w*_base address uint32 words (8 codes each). The tile is [BLOCK_N, GROUPS, 4] words: one row's scale group
     per 16 B, so the group sum stays inside one thread and is scaled once; partials accumulate per (row, group
@@ -460,16 +452,17 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, g_lo, n_g
     loaded (masked off past the end) before the current step is decoded, and carried into the next iteration.
     PRMT: the sm_90 inline-PTX decode (_e2m1_word_prmt); else the bit-op pair decode (gfx90a, the interpreter).
     """
+    n_groups = K // 32
     acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     if PREFETCH:
-        x = _mxfp4_stream_x(x_base, g_lo, K, GROUPS)
-        w1 = _mxfp4_stream_words(w1_base, g_lo, n_groups, r_ok, GROUPS)
-        s1 = _mxfp4_stream_scales(s1_base, g_lo, n_groups, r_ok, GROUPS)
+        x = _mxfp4_stream_x(x_base, 0, K, GROUPS)
+        w1 = _mxfp4_stream_words(w1_base, 0, n_groups, r_ok, GROUPS)
+        s1 = _mxfp4_stream_scales(s1_base, 0, n_groups, r_ok, GROUPS)
         if PAIR:
-            w3 = _mxfp4_stream_words(w3_base, g_lo, n_groups, r_ok, GROUPS)
-            s3 = _mxfp4_stream_scales(s3_base, g_lo, n_groups, r_ok, GROUPS)
-    for g0 in range(g_lo, n_groups, GROUPS):
+            w3 = _mxfp4_stream_words(w3_base, 0, n_groups, r_ok, GROUPS)
+            s3 = _mxfp4_stream_scales(s3_base, 0, n_groups, r_ok, GROUPS)
+    for g0 in range(0, n_groups, GROUPS):
         if PREFETCH:
             nx = _mxfp4_stream_x(x_base, g0 + GROUPS, K, GROUPS)
             nw1 = _mxfp4_stream_words(w1_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
@@ -499,20 +492,16 @@ def moe_gate_up_kernel(
     x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
     pair_tok_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr,
     I, D, limit,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp, part_ptr, lock_ptr,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     DOT: tl.constexpr = 1, STREAM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    PRMT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PRMT: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h).
     STREAM: one token, the dot-free stream (w*_ptr uint32 views; PREFETCH and PRMT as in _mxfp4_stream); else
-    tl.dot in DOT's operand dtype (0 fp32, 1 bf16, 2 fp16) over BLOCK_M gathered pair rows.
-    SPLIT (STREAM): program axis 1 is (block, K split), so one token's few blocks still fill the GPU with
-    enough loads in flight; the last split of a tile to arrive adds the fp32 partials ([blocks, SPLIT, 2, I]
-    at part_ptr) in split order and applies the SwiGLU."""
+    tl.dot in DOT's operand dtype (0 fp32, 1 bf16, 2 fp16) over BLOCK_M gathered pair rows."""
     pid_n = tl.program_id(0)
-    b = tl.program_id(1) // SPLIT
-    split = tl.program_id(1) % SPLIT
+    b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
     if e >= 0:
         lo = tl.load(blk_lo_ptr + b)
@@ -526,40 +515,19 @@ def moe_gate_up_kernel(
         e64 = e.to(tl.int64)
         w_off = e64 * stride_we + offs_n * stride_wn
         s_off = e64 * stride_se + offs_n * stride_sn
-        h_at, h_ok = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :], m_ok[:, None] & r_ok[None, :]
         if STREAM:  # BLOCK_M == 1: one (token, expert) pair per block; w*_ptr are uint32 views
-            per = D // 32 // SPLIT  # scale groups per split (the host keeps it a multiple of GROUPS)
             g1, u1 = _mxfp4_stream(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off,
-                                   x_row, D, r_ok, split * per, (split + 1) * per, BLOCK_N, GROUPS, True, PREFETCH,
-                                   PRMT)
-            if SPLIT > 1:
-                part = part_ptr + b.to(tl.int64) * SPLIT * 2 * I + offs_n
-                tl.store(part + split * 2 * I, g1, mask=r_ok)
-                tl.store(part + split * 2 * I + I, u1, mask=r_ok)
-                lock = lock_ptr + b * tl.num_programs(0) + pid_n
-                if _last_to_arrive(lock, SPLIT):
-                    g1 = tl.load(part, mask=r_ok, other=0.0)
-                    u1 = tl.load(part + I, mask=r_ok, other=0.0)
-                    for j in range(1, SPLIT):
-                        g1 += tl.load(part + j * 2 * I, mask=r_ok, other=0.0)
-                        u1 += tl.load(part + j * 2 * I + I, mask=r_ok, other=0.0)
-                    tl.atomic_xchg(lock, 0)
-                    _swiglu_store(g1[None, :], u1[None, :], h_at, h_ok, limit, HAS_LIMIT)
-            else:
-                _swiglu_store(g1[None, :], u1[None, :], h_at, h_ok, limit, HAS_LIMIT)
+                                   x_row, D, r_ok, BLOCK_N, GROUPS, True, PREFETCH, PRMT)
+            g = g1[None, :]
+            u = u1[None, :]
         else:
             g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
                                    r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
-            _swiglu_store(g, u, h_at, h_ok, limit, HAS_LIMIT)
-
-
-@triton.jit
-def _swiglu_store(g, u, h_at, ok, limit, HAS_LIMIT: tl.constexpr):
-    """h = silu(min(g, limit)) * clamp(u, -limit, limit), stored in fp32."""
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(h_at, g / (1.0 + tl.exp(-g)) * u, mask=ok)
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + pairs[:, None] * stride_hp + offs_n[None, :], h, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -571,16 +539,14 @@ def moe_down_kernel(
     out_ptr, add_ptr, lock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
     STREAM: tl.constexpr = False, SUM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later).
     STREAM, PREFETCH, PRMT as in moe_gate_up_kernel. SUM (one token, STREAM: block j is pair j): the last of
     the k pair programs of an output tile adds the k rows in order (plus add_ptr's shared-expert row when
-    HAS_ADD) into out_ptr (`_split_sum`): no sum launch. SPLIT (with SUM): program axis 1 is (pair, K split)
-    and the k * SPLIT weighted partials are added in (pair, split) order."""
+    HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
     pid_n = tl.program_id(0)
-    b = tl.program_id(1) // SPLIT
-    split = tl.program_id(1) % SPLIT
+    b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
     if e >= 0:
         lo = tl.load(blk_lo_ptr + b)
@@ -594,16 +560,15 @@ def moe_down_kernel(
         w_at = w2_ptr + e64 * stride_we + offs_n * stride_wn
         s_at = s2_ptr + e64 * stride_se + offs_n * stride_sn
         if STREAM:  # BLOCK_M == 1; w2_ptr is a uint32 view
-            per = I // 32 // SPLIT
-            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_row, I, r_ok, split * per, (split + 1) * per, BLOCK_N,
-                                  GROUPS, False, PREFETCH, PRMT)
+            y1, _ = _mxfp4_stream(w_at, s_at, w_at, s_at, h_row, I, r_ok, BLOCK_N, GROUPS, False, PREFETCH,
+                                  PRMT)
             y = y1[None, :]
         else:
             y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
         pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
         if SUM:
-            _split_sum(tl.sum(y * wt[:, None], axis=0), c_ptr + offs_n, out_ptr + offs_n, r_ok, tl.program_id(1),
+            _split_sum(tl.sum(y * wt[:, None], axis=0), c_ptr + offs_n, out_ptr + offs_n, r_ok, b,
                        tl.num_programs(1), stride_cp, lock_ptr + pid_n, add_ptr + offs_n, HAS_ADD)
         else:
             tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
@@ -1150,10 +1115,14 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 
 
 @triton.jit
-def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, N, D, stride_o, stride_h, stride_y,
-                   NP: tl.constexpr, BLOCK_D: tl.constexpr):
+def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
+                   stride_y, stride_fn, stride_p, NP: tl.constexpr, BLOCK_D: tl.constexpr, MIXP: tl.constexpr = 1,
+                   PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False):
     """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32, j in order), one row and one
-    D block per program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32."""
+    D block per program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32.
+    MIX_NEXT (the op hc_post_pre): also the next hc_pre's split-K mix partials of this block, from y as rounded
+    to its dtype (what hc_pre would read): the dots with fn's MIX rows and the sum of squares, at
+    part[row, block, :MIX] and part[row, block, PW - 1] (hc_mix_partial_kernel's layout, one split per block)."""
     row = tl.program_id(0).to(tl.int64)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     i = tl.arange(0, NP)
@@ -1165,8 +1134,21 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, N, D, stride_o, st
         c = tl.load(comb_ptr + row * N * N + j * N + i, mask=ok, other=0.0)
         hj = tl.load(h_ptr + row * stride_h + j * D + rd, mask=d_ok, other=0.0).to(tl.float32)
         acc += c[:, None] * hj[None, :]
-    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=ok[:, None] & d_ok[None, :])
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=ok[:, None] & d_ok[None, :])
+    if MIX_NEXT:
+        yf = tl.where(ok[:, None] & d_ok[None, :], y.to(tl.float32), 0.0)
+        m = tl.arange(0, MIXP)
+        m_ok = m < MIX
+        dots = tl.zeros([MIXP], dtype=tl.float32)
+        for k in range(N):
+            yk = tl.sum(tl.where((i == k)[:, None], yf, 0.0), axis=0)  # stream k of this block
+            f = tl.load(fn_ptr + m[:, None] * stride_fn + k * D + rd[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            dots += tl.sum(f * yk[None, :], axis=1)
+        at = part_ptr + row * stride_p + tl.program_id(1) * PW
+        tl.store(at + m, dots, mask=m_ok)
+        tl.store(at + PW - 1, tl.sum(tl.sum(yf * yf, axis=1), axis=0))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1186,8 +1168,8 @@ _FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride
 _FP8_STREAM_ARGS = (_FP8_ARGS[0] + " K_CHUNK part_ptr lock_ptr stride_ps", _FP8_ARGS[1] + " i32 *fp32 *i32 i32")
 _FP8_WORDS_ARGS = (_FP8_STREAM_ARGS[0], _FP8_STREAM_ARGS[1].replace("*u8", "*i32", 1))  # PREFETCH: W as uint32 words
 _MOE_UP = ("x_ptr w1_ptr s1_ptr w3_ptr s3_ptr h_ptr pair_tok_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr I D limit "
-           "stride_xt stride_we stride_wn stride_se stride_sn stride_hp part_ptr lock_ptr",
-           "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32 *fp32 *i32")
+           "stride_xt stride_we stride_wn stride_se stride_sn stride_hp",
+           "*bf16 *u8 *u8 *u8 *u8 *fp32 *i32 *i32 *i32 *i32 i32 i32 fp32 i32 i32 i32 i32 i32 i32")
 _MOE_DOWN = ("h_ptr w2_ptr s2_ptr c_ptr pair_id_ptr pair_w_ptr blk_e_ptr blk_lo_ptr blk_hi_ptr D I "
              "stride_hp stride_we stride_wn stride_se stride_sn stride_cp out_ptr add_ptr lock_ptr",
              "*fp32 *u8 *u8 *fp32 *i32 *fp32 *i32 *i32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 *bf16 *bf16 *i32")
@@ -1222,12 +1204,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_gate_up_stream_prefetch", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True), 4, False),
-    ("moe_gate_up_stream_split", moe_gate_up_kernel,  # K split 4 ways, the last split applies the SwiGLU
-     _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
-          HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True, SPLIT=4), 4, False),
     ("moe_down_stream_prefetch", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
-          STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True, SPLIT=2), 4, False),
+          STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr add_ptr D", "*fp32 *bf16 *bf16 i32", TOPK=6, BLOCK_D=1024,
                                      HAS_ADD=True), 4, False),
     ("rms_norm", rms_norm_kernel,
@@ -1300,8 +1279,13 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
           PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 1, False),
     ("hc_post", hc_post_kernel,
-     _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr N D stride_o stride_h stride_y",
-          "*bf16 *bf16 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32", NP=4, BLOCK_D=256), 4, False),
+     _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
+          "stride_p", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          BLOCK_D=256), 4, False),
+    ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre)
+     _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
+          "stride_p", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          BLOCK_D=256, MIXP=32, PW=25, MIX_NEXT=True), 4, False),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above)
