@@ -532,6 +532,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
+HC_MIX_BLOCK_D = 32  # hc_post_pre's D blocks: each also streams its [MIX, n x 32] slice of fn (at 256, 16 programs
+# streamed the 1.5 MB fn at 9.6 us a call, run 17; hc_mix_partial's 128 programs took 2.3 us)
 
 
 def _hc_mix(h2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -595,9 +597,9 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     o2 = out.reshape(-1, d).contiguous()
     rows = h2.shape[0]
     y = _empty(rows, n * d, dtype=h.dtype, device=h.device)
-    bd = min(HC_BLOCK_D, _pow2(d))
-    blocks = triton_cdiv(d, bd)
     mix = 0 if fn is None else fn.shape[0]
+    bd = min(HC_BLOCK_D if not mix else HC_MIX_BLOCK_D, _pow2(d))
+    blocks = triton_cdiv(d, bd)
     fn = y if fn is None else fn.float().contiguous()
     part = _empty(rows, blocks, mix + 1, dtype=torch.float32, device=h.device) if mix else y
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h2, post.reshape(rows, n).float().contiguous(),
