@@ -62,8 +62,8 @@ class _Rope:
     def __init__(self, cfg: Config, compressed: bool, device: torch.device, ops):
         self.inv_freq, self.ops = rope_inv_freq(cfg, compressed).to(device), ops
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rope_cos_sin(positions, self.inv_freq)
+    def __call__(self, positions: torch.Tensor, align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rope_cos_sin(positions, self.inv_freq, align)
 
 
 def _join_rows(w: dict, a: str, b: str) -> QWeight | None:
@@ -142,8 +142,7 @@ class Compressor:
             kv, gate = ops.linear(x, self.wkv), ops.linear(x, self.wgate)
         else:  # [B, 1, c] views of one projection, in x's dtype (compress_step widens them)
             kv, gate = ops.linear(x, self.w_both).split(self.c, -1)
-        start = ctx.memo(("window start", self.ratio), lambda: pos // self.ratio * self.ratio)
-        cos, sin = ctx.rope(self.m.rope_c, start, x.shape[0], 1, key=self.ratio)
+        cos, sin = ctx.rope(self.m.rope_c, pos, x.shape[0], 1, align=self.ratio)  # at the window's first position
         ops.compress_step(kv, gate, st.kv, st.gate, st.entries, st.valid, self.ape, self.norm, cos, sin, pos,
                           self.ratio, self.m.cfg.rms_norm_eps)
         return st.entries
@@ -368,11 +367,10 @@ class _Ctx:
         return self._memo[key]
 
     def rope(self, rope: _Rope, pos: torch.Tensor, batch: int, tokens: int,
-             key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of `rope` at `pos` ([B, S] after expand), computed once per call (4 launches each): the
-        chunk's positions, or under `key` other positions that are fixed within a call (a decode step's
-        compressed-entry position per ratio)."""
-        return self.memo(("rope", id(rope), key), lambda: rope(pos.expand(batch, tokens)))
+             align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of `rope` at `pos` ([B, S] after expand; rounded down to a multiple of `align`: a decode
+        step's compressed-entry position per ratio), computed once per chunk (one launch)."""
+        return self.memo(("rope", id(rope), align), lambda: rope(pos.expand(batch, tokens), align))
 
 
 class Model:

@@ -162,6 +162,9 @@ def test_rope_cos_sin_in_float64():
     rc, rs = ref.rope_cos_sin(pos, inv)
     assert cos.dtype == torch.float64 and cos.shape == (2, 4, 13)
     assert torch.allclose(cos, rc, rtol=0, atol=1e-12) and torch.allclose(sin, rs, rtol=0, atol=1e-12)
+    cos4, _ = tri.rope_cos_sin(pos, inv, 4)  # a compressed entry's angle: its window's first position
+    assert torch.allclose(cos4, ref.rope_cos_sin(pos // 4 * 4, inv)[0], rtol=0, atol=1e-12)
+    assert not torch.allclose(cos4, cos, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("w, k", [(21, 21), (37, 20), (1000, 512)])

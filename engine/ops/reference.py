@@ -75,9 +75,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., half] of positions [...] times inv_freq [half], in float64 (positions reach 1M: an fp32
-    angle would be off by whole radians); `rope` casts them to its compute dtype."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., half] of positions [...] (rounded down to a multiple of `align`: a compressed entry sits at
+    its window's first position) times inv_freq [half], in float64 (positions reach 1M: an fp32 angle would be
+    off by whole radians); `rope` casts them to its compute dtype."""
+    if align > 1:
+        positions = positions // align * align
     ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
     return ang.cos(), ang.sin()
 

@@ -678,17 +678,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, no
     return y
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., half] (float64) of positions [...] x inv_freq [half] (as reference.rope_cos_sin)."""
-    if positions.device.type == "cpu" and not positions.numel():
-        return _ref.rope_cos_sin(positions, inv_freq)
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., half] (float64) of positions [...] x inv_freq [half] (as reference.rope_cos_sin), one launch
+    (the rounding to `align` included)."""
+    if not positions.numel():
+        return _ref.rope_cos_sin(positions, inv_freq, align)
     pos = positions.reshape(-1).contiguous()
     n, half = pos.numel(), inv_freq.numel()
     cos = _empty(n, half, dtype=torch.float64, device=pos.device)
     sin = _empty(n, half, dtype=torch.float64, device=pos.device)
     bn = 16
     _Launch(pos)("rope_cos_sin_kernel", (triton_cdiv(n, bn),), pos, inv_freq.to(torch.float64).contiguous(), cos, sin,
-                 n, half, BLOCK_N=bn, BLOCK_R=_pow2(half, 1), num_warps=4)
+                 n, half, align, BLOCK_N=bn, BLOCK_R=_pow2(half, 1), num_warps=4)
     return cos.reshape(*positions.shape, half), sin.reshape(*positions.shape, half)
 
 

@@ -655,14 +655,17 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
 
 
 @triton.jit
-def rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """cos/sin [N, HALF] of angle = position x inverse frequency, all in float64 (positions reach 1M: an fp32
-    angle would be off by radians); one launch for what took a cast, a product and two functions."""
+def rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, HALF, ALIGN,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """cos/sin [N, HALF] of angle = position (rounded down to a multiple of ALIGN) x inverse frequency, all in
+    float64 (positions reach 1M: an fp32 angle would be off by radians); one launch for what took a cast, a
+    product and two functions (and the rounding's two)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
     ok = (n < N)[:, None] & (r < HALF)[None, :]
-    ang = tl.load(pos_ptr + n, mask=n < N, other=0).to(tl.float64)[:, None] * tl.load(inv_ptr + r, mask=r < HALF,
-                                                                                       other=0.0)[None, :]
+    p = tl.load(pos_ptr + n, mask=n < N, other=0)
+    p = p // ALIGN * ALIGN
+    ang = p.to(tl.float64)[:, None] * tl.load(inv_ptr + r, mask=r < HALF, other=0.0)[None, :]
     at = n.to(tl.int64)[:, None] * HALF + r[None, :]
     tl.store(cos_ptr + at, tl.cos(ang), mask=ok)
     tl.store(sin_ptr + at, tl.sin(ang), mask=ok)
@@ -1219,8 +1222,8 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr cos_ptr sin_ptr y_ptr w_ptr H D HALF SIGN EPS", "*bf16 *fp64 *fp64 *bf16 *bf16 i32 i32 i32 fp32 fp32",
           BLOCK_H=1, BLOCK_D=512, BLOCK_R=32, NORM=True, HAS_W=True), 4, False),
     ("rope_cos_sin", rope_cos_sin_kernel,
-     _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF", "*i64 *fp64 *fp64 *fp64 i32 i32", BLOCK_N=16, BLOCK_R=32), 4,
-     False),
+     _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF ALIGN", "*i64 *fp64 *fp64 *fp64 i32 i32 i32", BLOCK_N=16,
+          BLOCK_R=32), 4, False),
     ("attention", attention_kernel,
      _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None,
           ml_ptr=None), 8, True),
