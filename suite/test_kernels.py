@@ -170,7 +170,7 @@ def test_topk_mask(ops, cdna2_device, T, k):
     assert torch.equal(ops.topk_mask(s, k).cpu(), reference.topk_mask(s.cpu(), k)), "topk_mask picked another set"
 
 
-@pytest.mark.parametrize("ratio, d, pos", [(4, 40, 9), (128, 24, 130)])
+@pytest.mark.parametrize("ratio, d, pos", [(4, 40, 9), (4, 40, 11), (128, 24, 130), (128, 24, 127)])
 def test_compress_step(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, ratio, d, pos):
     """One decode token through a compressor's fixed buffers (CSA ring of two windows, HCA of one): the ring
     row is a copy, the entry of its window is pooled, normed and rotated like the reference's."""
@@ -179,7 +179,7 @@ def test_compress_step(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, 
     c, ring = (2 * d, 2 * ratio) if ratio == 4 else (d, ratio)
     kv, gate = rnd(B, 1, c, dev=dev), rnd(B, 1, c, dev=dev)
     bufs = [rnd(B, ring, c, dev=dev), rnd(B, ring, c, dev=dev), rnd(B, pos // ratio + 2, d, dev=dev, dtype=dtype),
-            torch.zeros(B, pos // ratio + 2, dtype=torch.bool, device=dev)]
+            torch.rand(B, pos // ratio + 2, device=dev) < 0.5]  # valid flags: random, so a write either way shows
     ape, norm = rnd(ratio, c, dev=dev), torch.rand(d, device=dev) + 0.5
     ang = torch.rand(B, 1, half, dtype=torch.float64, device=dev) * 50
     p = torch.tensor([pos], device=dev)

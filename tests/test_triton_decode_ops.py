@@ -174,12 +174,15 @@ def test_topk_mask_is_the_top_k_set_without_hidden_entries(w, k):
     g = torch.Generator().manual_seed(w + k)
     s = torch.randint(0, 6, (3, 1, w), generator=g).float() / 4
     s[1, :, ::2] = float("-inf")
+    s[2] = torch.where(torch.arange(w) % 2 == 0, -0.0, 0.0)  # -0.0 ties +0.0 (as in a sort): the k-th falls
+    s[2, :, :3] = 1.0  # among the zeros, so a key that split the signs would pick another set
     big = torch.ones(3, 1, w + 5, dtype=torch.bool)
     got = tri.topk_mask(s, k, out=big[..., 5:])
     assert got.data_ptr() == big[..., 5:].data_ptr() and big[..., :5].all()
     assert torch.equal(big[..., 5:], ref.topk_mask(s, k))
     assert not big[1, :, 5::2].any()
     assert torch.equal(tri.topk_mask(s, k), ref.topk_mask(s, k))
+    assert not tri.topk_mask(s, 0).any()
 
 
 def test_moe_one_token_with_a_repeated_expert():
@@ -200,7 +203,7 @@ def test_moe_one_token_with_a_repeated_expert():
 
 
 @pytest.mark.parametrize("ratio, overlap, d, half", [(4, True, 40, 8), (128, False, 24, 4), (4, True, 130, 16)])
-@pytest.mark.parametrize("pos", [0, 3, 5, 130, 517])  # first window, a window's last token, wrapped rings
+@pytest.mark.parametrize("pos", [0, 3, 5, 127, 130, 517])  # first window, windows' last tokens, wrapped rings
 @pytest.mark.parametrize("entry_dtype", [torch.float32, torch.float16])
 def test_compress_step(ratio, overlap, d, half, pos, entry_dtype):
     """One decode token through a compressor's fixed buffers: the ring row written (gate + position bias),
@@ -242,6 +245,7 @@ def test_topk_kernel_matches_the_stable_sort(w, k):
     s[1, ::3] = float("-inf")
     s[2] = float("-inf")  # all equal: the k lowest indices
     s[3, 1::4], s[3, 2::5] = float("nan"), float("inf")  # NaN ranks above +inf, as in a descending sort
+    s[4] = torch.where(torch.arange(w) % 2 == 0, -0.0, 0.0)  # -0.0 ties +0.0: the k-th falls among the zeros
     got_i, got_m = tri.topk(s, k)
     want_i, want_m = ref.topk(s, k)
     assert torch.equal(got_i, want_i)

@@ -73,6 +73,8 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, monkeypatch):
     x = torch.randn(b, s, k, generator=g).to(dtype)
     assert rel(tri.linear(x, w), ref.linear(x.double(), w)) <= TOL[dtype]
     assert not tri._locks(x.device, 0).any()  # a split-K launch (K 300 at the CPU's 64-wide steps) reset them
+    y32 = tri.linear(x, w, torch.float32)  # fp32 out from any x: written from the fp32 sums, not via x's dtype
+    assert y32.dtype == torch.float32 and rel(y32, ref.linear(x.double(), w)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,13 +38,15 @@ def test_triton_backend_matches_reference(tmp_path, name):
     assert ((mixed.forward(ids).double() - truth).norm(dim=-1) / truth.norm(dim=-1)).median() <= 1e-5
 
 
-def test_triton_decode_steps_match_reference(tmp_path):
-    """Decode over the StaticCache on the triton backend (compress_step, the one-token MoE tables, the
-    dense GEMV, hc_pre/hc_post at one row) against the float64 reference: a prompt that leaves CSA and HCA
-    windows open, then steps across a CSA window close and an HCA close at position 128."""
+@pytest.mark.parametrize("batch", [1, 2])  # 1: the one-token MoE stream; 2: strided mask/entry views per row
+def test_triton_decode_steps_match_reference(tmp_path, batch):
+    """Decode over the StaticCache on the triton backend (compress_step and its valid flags written into the
+    key mask, the indexer's pick written into a strided slice of it, the one-token MoE stream, the dense GEMV,
+    hc_post_pre at one row) against the float64 reference: a prompt that leaves CSA and HCA windows open, then
+    steps across a CSA window close and an HCA close at position 128."""
     cfg = make_config("mixed")
     path = make_checkpoint(tmp_path, cfg, seed=4)
-    ids = torch.randint(0, cfg.vocab_size, (1, 122), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, cfg.vocab_size, (batch, 122), generator=torch.Generator().manual_seed(6))
     truth = cdna2_engine.load_model(path, dtype=torch.float64).generate(ids, 10)
     got = cdna2_engine.load_model(path, dtype=torch.float32, backend="triton").generate(ids, 10)
     assert torch.equal(got.tokens, truth.tokens)

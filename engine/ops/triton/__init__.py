@@ -153,13 +153,13 @@ MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stage
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
-def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
-    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in x.dtype."""
+def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype)."""
     m, g, k = x.shape
     n = w.data.shape[0]
     r = n // groups
     wd, sd = _u8(w.data), _u8(w.scale)
-    y = _empty(m, g, r, dtype=x.dtype, device=x.device)
+    y = _empty(m, g, r, dtype=out_dtype or x.dtype, device=x.device)
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
@@ -229,8 +229,8 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) ->
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
-    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1)
-    return y.reshape(*lead, -1).to(out_dtype or x.dtype)
+    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1, out_dtype)
+    return y.reshape(*lead, -1)
 
 
 def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
@@ -423,7 +423,9 @@ LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PR
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the in-kernel split sums (`_split_sum` leaves them zero again): one
-    buffer per device, made once and never freed (a captured CUDA graph keeps its address)."""
+    buffer per device, made once and never freed (a captured CUDA graph keeps its address). Split launches on
+    one device must run in one stream order (the engine issues all its work on one stream): two in flight at
+    once would share counters."""
     if n > LOCKS:
         raise ValueError(f"a split launch with {n} tiles: more than the {LOCKS} arrival counters")
     if device not in _LOCKS:
@@ -485,8 +487,10 @@ def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> 
     w = scores.shape[-1]
     if w > TOPK_SORT_WIDTH or k > w or scores.dtype != torch.float32 or _use_reference(scores):
         return _ref.topk_mask(scores, k, out)
-    s2 = scores.reshape(-1, w).contiguous()
     mask = out if out is not None else torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    if k == 0:
+        return mask.zero_()
+    s2 = scores.reshape(-1, w).contiguous()
     m2 = mask.view(torch.int8).reshape(-1, w)  # a view: `out` may be a strided slice of a bigger mask
     if m2.stride(-1) != 1 or (out is not None and m2.data_ptr() != mask.data_ptr()):
         raise ValueError("topk_mask: `out` must have a unit last stride")

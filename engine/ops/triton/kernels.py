@@ -960,6 +960,7 @@ def topk_sort_kernel(s_ptr, idx_ptr, margin_ptr, mask_ptr, W, K, stride_s, strid
     w = tl.arange(0, BLOCK_W)
     ok = w < W
     v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=float("-inf")).to(tl.float32)
+    v = tl.where(v == 0.0, 0.0, v)  # -0.0 ties +0.0 (as in a sort), so it must get the same key
     bits = tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))  # one NaN, above +inf
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order
     low = tl.full([BLOCK_W], 4294967295, tl.int64)  # the low 32 bits
