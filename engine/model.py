@@ -94,15 +94,16 @@ class Compressor:
         self.ratio, self.dim, self.overlap, self.m = ratio, dim, ratio == 4, model
 
     def _kv_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        acc, ops = _acc(x.dtype), self.m.ops
+        """The projected rows [B, S, c] each, in x's dtype (views of one projection when the weights joined)."""
+        ops = self.m.ops
         if self.w_both is None:
-            return ops.linear(x, self.wkv).to(acc), ops.linear(x, self.wgate).to(acc)
-        return ops.linear(x, self.w_both).to(acc).split(self.c, -1)
+            return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
+        return ops.linear(x, self.w_both).split(self.c, -1)
 
     def __call__(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
         ops, r, d = self.m.ops, self.ratio, self.dim
         acc = _acc(x.dtype)
-        kv, gate = self._kv_gate(x)
+        kv, gate = (t.to(acc) for t in self._kv_gate(x))
         if st.pending_kv is not None:
             kv, gate = torch.cat([st.pending_kv, kv], 1), torch.cat([st.pending_gate, gate], 1)
         B, n = kv.shape[0], kv.shape[1] // r
@@ -137,13 +138,9 @@ class Compressor:
         is pooled (closed or not) into entry slot pos // ratio. Branch-free, so a CUDA graph can hold it; an
         unclosed window's entry is invisible (attention and indexer see slot t once (pos + 1) // ratio > t).
         Returns every entry slot [B, slots, d]."""
-        ops = self.m.ops
-        if self.w_both is None:
-            kv, gate = ops.linear(x, self.wkv), ops.linear(x, self.wgate)
-        else:  # [B, 1, c] views of one projection, in x's dtype (compress_step widens them)
-            kv, gate = ops.linear(x, self.w_both).split(self.c, -1)
+        kv, gate = self._kv_gate(x)  # [B, 1, c], in x's dtype: compress_step widens them
         cos, sin = ctx.rope(self.m.rope_c, pos, x.shape[0], 1, align=self.ratio)  # at the window's first position
-        ops.compress_step(kv, gate, st.kv, st.gate, st.entries, st.valid, self.ape, self.norm, cos, sin, pos,
+        self.m.ops.compress_step(kv, gate, st.kv, st.gate, st.entries, st.valid, self.ape, self.norm, cos, sin, pos,
                           self.ratio, self.m.cfg.rms_norm_eps)
         return st.entries
 
@@ -360,8 +357,8 @@ class _Ctx:
         self._memo.clear()
 
     def memo(self, key: tuple, make):
-        """`make()` once per chunk under `key`: device values that every layer of a decode step shares
-        (the ring slot, a window's first position), computed with one launch instead of one per layer."""
+        """`make()` once per chunk under `key`: device values that every layer of a step shares (the window
+        ring's slot, RoPE's cos/sin), computed once instead of once per layer."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]

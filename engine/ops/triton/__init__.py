@@ -5,8 +5,9 @@ compiled kernels; CPU tensors run the same kernel source in Triton's interpreter
 `kernels.py` decorated with TRITON_INTERPRET=1, so one process can hold both: the interpreter decides
 at decoration time, and the ISA tier needs the compiled copy). The interpreter cannot run bf16
 tensors (DESIGN.md section 7), so on the CPU bf16 inputs go to the reference op, as does float64
-(the kernels accumulate in fp32). `topk` has a kernel for the router's small k (a device sort of 256
-values took 21 us on the H200); the indexer's top-512 stays the reference's stable sort.
+(the kernels accumulate in fp32). `topk` runs k passes for the router's small k (a device sort of 256
+values took 21 us on the H200) and one in-register sort for the indexer's k on rows up to TOPK_MAX_WIDTH;
+longer rows take the reference's stable sort.
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
         prefetch = bool(c["PREFETCH"]) and k % 4 == 0  # the prefetched tile is read as uint32 words
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
-        if prefetch:
+        if prefetch:  # W read as uint32 words: its view and row stride in the arguments
             wd = wd.view(torch.int32)
+            args = (x, wd, sd, *args[3:9], wd.stride(0), *args[10:])
             hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
@@ -183,7 +185,6 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         split = triton_cdiv(k, chunk)
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
-        args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1))
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
                num_warps=c["num_warps"])
@@ -457,17 +458,15 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, r
            v8.stride(0), R=ratio, BLOCK_D=_pow2(d), BLOCK_R=_pow2(half, 1), num_warps=4)
 
 
-TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # k passes for a small k (the router's 6 of 256); a sort up to the width
-TOPK_SORT_WIDTH = 4096  # the indexer's 512 of up to this many entries (longer rows: the reference's device sort)
+TOPK_MAX_K, TOPK_MAX_WIDTH = 16, 4096  # k passes up to TOPK_MAX_K (the router's 6), else one sort; wider rows:
+# the reference's device sort (the indexer at long contexts)
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties to the lower index, and the k-th minus (k+1)-th margin (as
-    reference.topk); one program per row: k passes for small k, one in-register sort for rows up to
-    TOPK_SORT_WIDTH, else the reference's stable sort."""
+    reference.topk); one program per row: k passes for small k, else one in-register sort."""
     w = scores.shape[-1]
-    if k > w or scores.dtype != torch.float32 or not scores.numel() or _use_reference(scores) or \
-            (k > TOPK_MAX_K and w > TOPK_SORT_WIDTH) or (k <= TOPK_MAX_K and w > TOPK_MAX_WIDTH):
+    if k > w or w > TOPK_MAX_WIDTH or scores.dtype != torch.float32 or not scores.numel() or _use_reference(scores):
         return _ref.topk(scores, k)
     lead = scores.shape[:-1]
     s2 = scores.reshape(-1, w).contiguous()
@@ -485,7 +484,7 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k set as a bool mask (as reference.topk_mask), one sort per row, into `out` when given."""
     w = scores.shape[-1]
-    if w > TOPK_SORT_WIDTH or k > w or scores.dtype != torch.float32 or _use_reference(scores):
+    if w > TOPK_MAX_WIDTH or k > w or scores.dtype != torch.float32 or _use_reference(scores):
         return _ref.topk_mask(scores, k, out)
     mask = out if out is not None else torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
     if k == 0:
