@@ -193,7 +193,8 @@ def apply_overrides(items: list[str]) -> dict:
 
 
 def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dict:
-    """Kernels per decode step and the GPU time by kernel name (replayed graph), printed and returned."""
+    """Kernels per decode step and the GPU time by kernel name (replayed graph), printed and returned, with one
+    step's kernels in launch order (`sequence`: match it with `python bench/launches.py` to name each call)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -209,8 +210,10 @@ def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dic
     print(f"profile: {len(kernels) / steps:.0f} kernels per step, {total:.0f} us of kernel time per step")
     for us, n, name in rows[:30]:
         print(f"{us:9.1f} us {n:6.0f}x  {name}")
+    one = kernels[: len(kernels) // steps]  # the first step's kernels in launch order
     return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": total,
-            "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]]}
+            "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]],
+            "sequence": [[e.name[:40], round(e.device_time_total, 2)] for e in one]}
 
 
 def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, first: torch.Tensor,

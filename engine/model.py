@@ -184,8 +184,9 @@ class Attention:
         self.indexer = (Compressor(w, p + "indexer.compressor.", 4, cfg.index_head_dim, model)
                         if self.ratio == 4 else None)
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx):
-        """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd], q's low-rank qr, cos/sin."""
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None):
+        """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
+        when decoding), q's low-rank qr, cos/sin."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -196,7 +197,7 @@ class Attention:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
         qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
-        kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin).squeeze(2)  # [B, S, hd]
+        kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
         return q, kv, qr, cos, sin
 
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:
@@ -223,7 +224,7 @@ class Attention:
             q = ops.rope(q, cos, sin)
             hw = ops.linear(x, w[p + "weights_proj.weight"], _acc(x.dtype))
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
-            scores = torch.where(visible, ops.index_scores(q, keys, hw, scale), float("-inf"))  # [B, S, T]
+            scores = ops.index_scores(q, keys, hw, scale, visible)  # [B, S, T], -inf where not visible
             if ctx.recording:  # picks of hidden entries recorded as -1
                 idx, margin = ops.topk(scores, k)
                 ctx.record(self.i, "indexer", torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx),
@@ -257,11 +258,7 @@ class Attention:
 
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync."""
-        q, kv, qr, cos, sin = self._project(x, pos, ctx)
-        win = sl.window_size
-        slot = ctx.memo(("window slot", win), lambda: pos % win)
-        sl.window.index_copy_(1, slot, kv)
-        sl.window_ok.index_fill_(1, slot, True)
+        q, _, qr, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos))  # kv: into the ring
         if self.ratio:
             self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
             if self.indexer is not None:

@@ -173,12 +173,40 @@ def test_norm_rope(dtype, weighted, b, h, d, half, min_programs, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos", [5, 13])
+def test_norm_rope_ring(dtype, pos):
+    """The decode step's window update inside norm_rope: the row lands in ring slot pos % W of a strided keys
+    view (the window part of a larger key buffer), only that slot's flag turns on, and nothing else moves."""
+    b, w_len, slots, d, half = 2, 8, 3, 24, 4
+    g = gen(570 + pos)
+    x = (torch.randn(b, 1, 1, d, generator=g) * 3).to(dtype)
+    wt = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    ang = torch.rand(b, 1, half, dtype=torch.float64, generator=g) * 6
+    buf = torch.randn(b, w_len + slots, d, generator=g).to(dtype)  # window then entry slots, as StaticLayer
+    flags = torch.rand(b, 1, w_len + slots, generator=g) < 0.3
+    p = torch.tensor([pos])
+    want_buf, want_flags = buf.double(), flags.clone()
+    want = ref.norm_rope(x.double(), wt.double(), 1e-6, ang.cos(), ang.sin(),
+                         (want_buf[:, :w_len], want_flags[:, 0, :w_len], p))
+    got = tri.norm_rope(x, wt, 1e-6, ang.cos(), ang.sin(), (buf[:, :w_len], flags[:, 0, :w_len], p))
+    slot = pos % w_len
+    assert rel(got, want) <= TOL[dtype]
+    assert rel(buf[:, slot], want_buf[:, slot]) <= TOL[dtype] and rel(buf[:, slot], want[:, 0, 0]) <= TOL[dtype]
+    others = [i for i in range(w_len + slots) if i != slot]
+    assert torch.equal(buf[:, others], want_buf[:, others].to(dtype))
+    assert torch.equal(flags, want_flags) and bool(flags[:, 0, slot].all())
+    with pytest.raises(ValueError, match="one row"):
+        tri.norm_rope(x.expand(b, 2, 1, d), wt, 1e-6, ang.cos(), ang.sin(), (buf[:, :w_len], flags[:, 0, :w_len], p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
                                                (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16), (2, 3, 5, 24, 37, -1),
-                                               (2, 2, 40, 20, 19, -1)])
+                                               (2, 2, 40, 20, 19, -1), (1, 2, 5, 24, 300, 16)])
 def test_attention(dtype, b, s, h, d, ln, chunk, monkeypatch):
-    """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine; 0 splits as a decode
-    would (few programs at these sizes); -1 never splits (enough programs, as a prefill)."""
+    """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine (ln 300: 19 splits, more
+    than one combine step of 16); 0 splits as a decode would (few programs at these sizes); -1 never splits
+    (enough programs, as a prefill)."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
     if chunk < 0:
         monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
@@ -206,7 +234,12 @@ def test_index_scores(dtype, b, s, h, t):
     w = torch.randn(b, s, h, generator=g).to(dtype)
     got = tri.index_scores(q, k, w, 0.3)
     assert got.dtype == torch.float32
-    assert rel(got, ref.index_scores(q.double(), k.double(), w.double(), 0.3)) <= TOL[dtype]
+    want = ref.index_scores(q.double(), k.double(), w.double(), 0.3)
+    assert rel(got, want) <= TOL[dtype]
+    for visible in (torch.rand(b, 1, t, generator=g) < 0.5, torch.rand(s, t, generator=g) < 0.5):  # decode, prefill
+        hid = tri.index_scores(q, k, w, 0.3, visible)
+        shown = visible.expand(b, s, t)
+        assert torch.equal(hid.isneginf(), ~shown) and torch.equal(hid[shown], got[shown])
 
 
 def test_backend_table_and_no_leak():

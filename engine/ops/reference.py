@@ -70,9 +70,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
-    """RMSNorm of each head row of x [B, S, H, D] (weight None: unweighted), then RoPE: q's and kv's path."""
-    return rope(rms_norm(x, weight, eps), cos, sin)
+              sin: torch.Tensor, ring: tuple | None = None) -> torch.Tensor:
+    """RMSNorm of each head row of x [B, S, H, D] (weight None: unweighted), then RoPE: q's and kv's path.
+    ring (keys [B, W, D], flags [B, W] bool, pos [1]; decode, x [B, 1, 1, D]): the row is also written into
+    the sliding window's ring slot pos % W, and the slot flagged visible."""
+    y = rope(rms_norm(x, weight, eps), cos, sin)
+    if ring is not None:
+        keys, ok, pos = ring
+        slot = pos.reshape(1) % keys.shape[1]
+        keys.index_copy_(1, slot, y.reshape(x.shape[0], 1, -1).to(keys.dtype))
+        ok.index_fill_(1, slot, True)
+    return y
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -103,11 +111,14 @@ def attention(
     return torch.einsum("bhsl,bld->bshd", probs, kv.to(acc)).to(q.dtype)
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """Lightning-indexer scores: sum_h w[b,s,h] * relu(q[b,s,h] . k[b,t]) * scale -> [B, S, T] (fp32+)."""
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer scores: sum_h w[b,s,h] * relu(q[b,s,h] . k[b,t]) * scale -> [B, S, T] (fp32+), -inf where
+    `visible` (bool, broadcastable to [B, S, T]) is False: hidden entries never win a pick."""
     acc = _acc(q.dtype)
     dots = torch.einsum("bshd,btd->bsht", q.to(acc), k.to(acc))
-    return (torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)).sum(dim=2)
+    scores = (torch.relu(dots) * scale * weights.to(acc).unsqueeze(-1)).sum(dim=2)
+    return scores if visible is None else torch.where(visible, scores, float("-inf"))
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -187,7 +187,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
-               num_warps=c["num_warps"])
+               SPLITP=_pow2(split, 1), num_warps=c["num_warps"])
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -353,7 +353,8 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
            d, inter,
            h.stride(0), d2.stride(0), d2.stride(1), s2.stride(0), s2.stride(1), c.stride(0),
            out if fused else c, c if add is None else add.contiguous(), locks,
-           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None, **kw)
+           BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, SUM=fused, HAS_ADD=add is not None,
+           SPLITP=_pow2(blk_e.numel(), 1) if fused else 1, **kw)
     return out if fused else c
 
 
@@ -414,7 +415,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     launch("dense_gemv_kernel", (blocks, split), x2, wd, y, part, _locks(x.device, blocks if split > 1 else 0), m, n,
            k, chunk, split,
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-           SPLIT=split > 1, num_warps=DENSE_GEMV["num_warps"])
+           SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=DENSE_GEMV["num_warps"])
     return y.reshape(*lead, n)
 
 
@@ -656,15 +657,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
+              sin: torch.Tensor, ring: tuple | None = None) -> torch.Tensor:
     """RMSNorm of each head row of x [B, S, H, D] (weight [D] or None), then RoPE (as reference.norm_rope), in
-    one launch."""
+    one launch, the window ring update (`ring`) included."""
     if _use_reference(x):
-        return _ref.norm_rope(x, weight, eps, cos, sin)
-    return _rope(x, cos, sin, 1.0, (weight, eps))
+        return _ref.norm_rope(x, weight, eps, cos, sin, ring)
+    return _rope(x, cos, sin, 1.0, (weight, eps), ring)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, norm: tuple | None = None):
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, norm: tuple | None = None,
+          ring: tuple | None = None):
     b, s, h, d = x.shape
     half = cos.shape[-1]
     xc = x.contiguous()
@@ -675,10 +677,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, no
     while bh > 1 and b * s * triton_cdiv(h, bh) < MIN_PROGRAMS // 2:
         bh //= 2  # a decode token: its heads over many programs
     w, eps = norm or (None, 0.0)
+    kw = {}
+    if ring is not None:
+        keys, ok, pos = _ring_args(x, ring)
+        kw = dict(ring_ptr=keys, ok_ptr=ok.view(torch.uint8), pos_ptr=pos, W=keys.shape[1], stride_rb=keys.stride(0),
+                  stride_rs=keys.stride(1), stride_ob=ok.stride(0), RING=True)
     _Launch(x)("rope_kernel", (b * s, triton_cdiv(h, bh)), xc, c, sn, y, xc if w is None else w.contiguous(), h, d,
                half, sign, float(eps), BLOCK_H=bh, BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1),
-               NORM=norm is not None, HAS_W=w is not None, num_warps=4)
+               NORM=norm is not None, HAS_W=w is not None, num_warps=4, **kw)
     return y
+
+
+def _ring_args(x: torch.Tensor, ring: tuple) -> tuple:
+    """(keys, ok, pos) of a window ring after checking they fit one decode row of x [B, 1, 1, D]."""
+    keys, ok, pos = ring
+    b, s, h, d = x.shape
+    if s != 1 or h != 1 or keys.shape[0] != b or keys.shape[2] != d or keys.stride(2) != 1 \
+            or tuple(ok.shape) != tuple(keys.shape[:2]) or pos.numel() != 1:
+        raise ValueError(f"norm_rope ring: x {tuple(x.shape)} must be one row [B, 1, 1, D] for keys [B, W, D] "
+                         f"{tuple(keys.shape)}, flags [B, W] {tuple(ok.shape)} and one position")
+    return keys, ok, pos
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -732,30 +750,38 @@ def attention(
         ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
         launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
                ml_ptr=ml, **meta)
-        bd = min(_pow2(d), 64)
+        bd = min(_pow2(d), 32)
         launch("attention_combine_kernel", (s, b, hb * triton_cdiv(d, bd)), part, ml, args[2], o, s, h, d, n_split,
-               o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, num_warps=4)
+               o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, BLOCK_S=min(16, _pow2(n_split, 2)),
+               num_warps=4)
     else:
         launch("attention_kernel", (s, b, hb), *args, **meta)
     return o
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """Lightning-indexer scores [B, S, T] in fp32: relu(q.k) weighted per head, heads summed in fp32."""
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer scores [B, S, T] in fp32: relu(q.k) weighted per head, heads summed in fp32; -inf where
+    `visible` (bool, broadcast to [B, S, T]) is False, in the same launch."""
     if _use_reference(q, k, weights):
-        return _ref.index_scores(q, k, weights, scale)
+        return _ref.index_scores(q, k, weights, scale, visible)
     b, s, h, d = q.shape
     t = k.shape[1]
     q = q.contiguous()
     k = k.contiguous()
     w = weights.contiguous()
     o = _empty(b, s, t, dtype=torch.float32, device=q.device)
+    kw = {}
+    if visible is not None:
+        vis = visible.expand(b, s, t).view(torch.uint8)
+        kw = dict(vis_ptr=vis, stride_vb=vis.stride(0), stride_vs=vis.stride(1), stride_vt=vis.stride(2),
+                  VISIBLE=True)
     bt = 32
     _Launch(q)("index_scores_kernel", (s, b, triton_cdiv(t, bt)),
                q, k, w, o, s, h, t, d, float(scale),
                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
                o.stride(0), o.stride(1),
-               BLOCK_H=_pow2(h), BLOCK_T=bt, BLOCK_D=_pow2(d), IEEE=q.dtype == torch.float32, num_warps=4)
+               BLOCK_H=_pow2(h), BLOCK_T=bt, BLOCK_D=_pow2(d), IEEE=q.dtype == torch.float32, num_warps=4, **kw)
     return o
 
 

@@ -88,18 +88,22 @@ def fp8_matmul_kernel(
 
 
 @triton.jit
-def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add_at, HAS_ADD: tl.constexpr):
-    """Split-K without a second launch, still deterministic: every split stores its fp32 partial, then counts
-    itself in on the tile's lock (integer atomic, acq_rel); the last to arrive, whichever it is, adds the
-    partials in split order 0..n-1 (then add_at's values when HAS_ADD), writes the result and resets the lock
-    for the next launch (or replay). The barrier orders all threads' partial stores before the release (the
-    usual semaphore pattern)."""
+def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add_at, HAS_ADD: tl.constexpr,
+               SPLITP: tl.constexpr):
+    """Split-K without a second launch, still deterministic: every split stores its fp32 partial (y and the
+    pointers 1-D), then counts itself in on the tile's lock (integer atomic, acq_rel); the last to arrive,
+    whichever it is, loads all n_split (<= SPLITP, a power of two) partials at once and adds them by one fixed
+    tree (then add_at's values when HAS_ADD), writes the result and resets the lock for the next launch (or
+    replay). One load of every partial, not one per split: summed in a loop, each split's L2 round trip waited
+    for the add before it (n_split x ~0.4 us on the H200). The barrier orders all threads' partial stores before
+    the release (the usual semaphore pattern)."""
     tl.store(part_at + split * part_stride, y, mask=ok)
     tl.debug_barrier()
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == n_split - 1:
-        tot = tl.load(part_at, mask=ok, other=0.0)
-        for j in range(1, n_split):
-            tot += tl.load(part_at + j * part_stride, mask=ok, other=0.0)
+        j = tl.arange(0, SPLITP)
+        parts = tl.load(part_at[None, :] + j[:, None] * part_stride, mask=(j < n_split)[:, None] & ok[None, :],
+                        other=0.0)
+        tot = tl.sum(parts, axis=0)
         if HAS_ADD:
             tot += tl.load(add_at, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_at, tot.to(out_at.dtype.element_ty), mask=ok)
@@ -203,7 +207,7 @@ def fp8_stream_kernel(
     M, R, K,
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, part_ptr, lock_ptr, stride_ps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
-    UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False, SPLITP: tl.constexpr = 1,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -214,8 +218,8 @@ def fp8_stream_kernel(
     HW (sm_90): E4M3 -> fp32 by the hardware conversion (cvt.rn.f16x2.e4m3x2); else the exact bit decode
     (gfx90a has no FP8 hardware). UNROLL = 2: two tiles per iteration, both loads issued before either is used.
     SPLIT > 1 (narrow W: too few row tiles to fill the GPU): program (n, m * SPLIT + s, g) covers K from
-    s * K_CHUNK; the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides) are added in split order by
-    the last split to finish (`_split_sum`), in the same launch.
+    s * K_CHUNK; the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides) are added by the last split to
+    finish (`_split_sum`, SPLITP: SPLIT rounded up to a power of two), in the same launch.
     PREFETCH: register double buffering (Triton pipelines only loads that feed a tl.dot): the next tile's
     weights, x and scales are loaded before the current tile's FMAs and carried into the next step; w_ptr is then
     a uint32 view of W (K a multiple of 4) and stride_wn counts words.
@@ -258,7 +262,8 @@ def fp8_stream_kernel(
     at = m * stride_ym + g * stride_yg + offs_r
     if SPLIT > 1:
         tile = pid_n + tl.num_programs(0) * (m + M * g)
-        _split_sum(y, part_ptr + at, y_ptr + at, r_ok, split, SPLIT, stride_ps, lock_ptr + tile, y_ptr, False)
+        _split_sum(y, part_ptr + at, y_ptr + at, r_ok, split, SPLIT, stride_ps, lock_ptr + tile, y_ptr, False,
+                   SPLITP)
     else:
         tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
@@ -423,6 +428,14 @@ def _mxfp4_stream_xs(x, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _mxfp4_xpre(xp_base, g0, GROUPS: tl.constexpr):
+    """x of one K step from its pre-split copy xp[g, p, i] = x[32 g + 8 i + p] (fp32): slot p is one [G, 4] load."""
+    at = xp_base + (g0 + tl.arange(0, GROUPS))[:, None] * 32 + tl.arange(0, 4)[None, :]
+    return (tl.load(at), tl.load(at + 4), tl.load(at + 8), tl.load(at + 12),
+            tl.load(at + 16), tl.load(at + 20), tl.load(at + 24), tl.load(at + 28))
+
+
+@triton.jit
 def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
     """[BN, G] unscaled group sums (x 2^-14) of one tile of words w [BN, G, 4]: one FMA per code."""
     part = tl.zeros(w.shape, dtype=tl.float32)
@@ -441,7 +454,7 @@ def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
 @triton.jit
 def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr,
-                  PRMT: tl.constexpr):
+                  PRMT: tl.constexpr, XPRE: tl.constexpr = False):
     """One token row (M = 1): W1 x (and W3 x when PAIR) over all K for a [BLOCK_N] row tile, no tl.dot.
 
     w*_base address uint32 words (8 codes each). The tile is [BLOCK_N, GROUPS, 4] words: one row's scale group
@@ -451,6 +464,8 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
     each step waits for DRAM with nothing of its own in flight; with it the next step's words, scales and x are
     loaded (masked off past the end) before the current step is decoded, and carried into the next iteration.
     PRMT: the sm_90 inline-PTX decode (_e2m1_word_prmt); else the bit-op pair decode (gfx90a, the interpreter).
+    XPRE: x_base holds x pre-split per nibble slot (fp32, _mxfp4_xpre's layout): each slot is one [G, 4] load in
+    the tile's own layout, where splitting x in the loop costs shared-memory round trips and barriers.
     """
     n_groups = K // 32
     acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
@@ -470,7 +485,10 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
             if PAIR:
                 nw3 = _mxfp4_stream_words(w3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
                 ns3 = _mxfp4_stream_scales(s3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
-            xs = _mxfp4_stream_xs(x, GROUPS)
+            if XPRE:
+                xs = _mxfp4_xpre(x_base, g0, GROUPS)
+            else:
+                xs = _mxfp4_stream_xs(x, GROUPS)
             acc1 += _mxfp4_stream_sum(w1, xs, PRMT) * _e8m0(s1, 0)
             if PAIR:
                 acc3 += _mxfp4_stream_sum(w3, xs, PRMT) * _e8m0(s3, 0)
@@ -478,7 +496,10 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
             if PAIR:
                 w3, s3 = nw3, ns3
         else:  # words loaded after x's split and scales after the sum: the order that gives gfx90a v_fma_mix_f32
-            xs = _mxfp4_stream_xs(_mxfp4_stream_x(x_base, g0, K, GROUPS), GROUPS)
+            if XPRE:
+                xs = _mxfp4_xpre(x_base, g0, GROUPS)
+            else:
+                xs = _mxfp4_stream_xs(_mxfp4_stream_x(x_base, g0, K, GROUPS), GROUPS)
             part = _mxfp4_stream_sum(_mxfp4_stream_words(w1_base, g0, n_groups, r_ok, GROUPS), xs, PRMT)
             acc1 += part * _e8m0(_mxfp4_stream_scales(s1_base, g0, n_groups, r_ok, GROUPS), 0)
             if PAIR:
@@ -539,12 +560,12 @@ def moe_down_kernel(
     out_ptr, add_ptr, lock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
     STREAM: tl.constexpr = False, SUM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False, SPLITP: tl.constexpr = 1,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later).
     STREAM, PREFETCH, PRMT as in moe_gate_up_kernel. SUM (one token, STREAM: block j is pair j): the last of
-    the k pair programs of an output tile adds the k rows in order (plus add_ptr's shared-expert row when
-    HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
+    the k pair programs of an output tile adds the k rows (SPLITP: k rounded up to a power of two; plus
+    add_ptr's shared-expert row when HAS_ADD) into out_ptr (`_split_sum`): no sum launch."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(blk_e_ptr + b)
@@ -569,7 +590,7 @@ def moe_down_kernel(
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
         if SUM:
             _split_sum(tl.sum(y * wt[:, None], axis=0), c_ptr + offs_n, out_ptr + offs_n, r_ok, b,
-                       tl.num_programs(1), stride_cp, lock_ptr + pid_n, add_ptr + offs_n, HAS_ADD)
+                       tl.num_programs(1), stride_cp, lock_ptr + pid_n, add_ptr + offs_n, HAS_ADD, SPLITP)
         else:
             tl.store(c_ptr + pid[:, None].to(tl.int64) * stride_cp + offs_n[None, :], y * wt[:, None],
                      mask=m_ok[:, None] & r_ok[None, :])
@@ -613,13 +634,17 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 @triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr = False,
-                HAS_W: tl.constexpr = False):
+                HAS_W: tl.constexpr = False, ring_ptr=None, ok_ptr=None, pos_ptr=None, W=1, stride_rb=0,
+                stride_rs=0, stride_ob=0, RING: tl.constexpr = False):
     """Program (b, s position, head block): copy the non-RoPE dims, rotate interleaved pairs. Heads are split
     over programs so one decode token's 64 heads spread over the GPU (one program per position held them all).
     NORM (the op norm_rope): each head row is first RMS-normalized (fp32 statistics, times w if HAS_W) and
     rounded to y's dtype, as rms_norm would hand it to rope, in the same launch.
 
     x, y contiguous [B*S, H, D]; cos/sin contiguous [B*S, HALF]; SIGN = -1 for the inverse rotation.
+    RING (one decode token's K=V row, H = 1): the row is also written into the sliding window's ring at slot
+    pos % W (ring [B, W, D] with strides stride_rb, stride_rs) and that slot's flag in ok [B, W] set: the
+    decode step's window update without its three torch launches.
     """
     p = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -647,11 +672,20 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
         xn = xf.to(y_ptr.dtype.element_ty)
         x0 = x0.to(y_ptr.dtype.element_ty).to(tl.float32)
         x1 = x1.to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row + offs_d[None, :], xn, mask=d_ok)
     c = tl.load(cos_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :] * SIGN
-    tl.store(y_ptr + even, (x0 * c - x1 * s).to(y_ptr.dtype.element_ty), mask=m)
-    tl.store(y_ptr + even + 1, (x0 * s + x1 * c).to(y_ptr.dtype.element_ty), mask=m)
+    y0 = (x0 * c - x1 * s).to(y_ptr.dtype.element_ty)
+    y1 = (x0 * s + x1 * c).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row + offs_d[None, :], xn, mask=d_ok)
+    tl.store(y_ptr + even, y0, mask=m)
+    tl.store(y_ptr + even + 1, y1, mask=m)
+    if RING:
+        slot = tl.load(pos_ptr) % W
+        rrow = ring_ptr + p * stride_rb + slot * stride_rs + offs_h[:, None] * D
+        tl.store(rrow + offs_d[None, :], xn, mask=d_ok)
+        tl.store(rrow + nope + 2 * offs_r[None, :], y0, mask=m)
+        tl.store(rrow + nope + 2 * offs_r[None, :] + 1, y1, mask=m)
+        tl.store(ok_ptr + p * stride_ob + slot, 1)
 
 
 @triton.jit
@@ -751,8 +785,10 @@ def attention_kernel(
 
 @triton.jit
 def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split,
-                             stride_ob, stride_os, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the splits of one (b, s) in the fixed order 0..n_split-1, with the sink in the denominator.
+                             stride_ob, stride_os, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    """Merge the splits of one (b, s), with the sink in the denominator, BLOCK_S splits per step loaded at once
+    (a fixed tree within a step, steps in order): one loop step waits for one round trip, not one per split.
     Program (s, b, head block x D block): a decode token's merge spreads over the GPU."""
     s_idx = tl.program_id(0)
     b = tl.program_id(1)
@@ -764,17 +800,22 @@ def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     row0 = (b * S + s_idx) * n_split
     m = sink
-    for j in range(0, n_split):
-        m = tl.maximum(m, tl.load(ml_ptr + (row0 + j) * 2 * H + offs_h, mask=h_ok, other=-1e30))
+    for j0 in range(0, n_split, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        at = ml_ptr + ((row0 + j) * 2 * H)[:, None] + offs_h[None, :]
+        mj = tl.load(at, mask=(j < n_split)[:, None] & h_ok[None, :], other=-1e30)
+        m = tl.maximum(m, tl.max(mj, axis=0))
     l_tot = tl.exp(sink - m)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for j in range(0, n_split):
-        mj = tl.load(ml_ptr + (row0 + j) * 2 * H + offs_h, mask=h_ok, other=-1e30)
-        lj = tl.load(ml_ptr + (row0 + j) * 2 * H + H + offs_h, mask=h_ok, other=0.0)
-        w = tl.exp(mj - m)
-        l_tot += lj * w
-        acc += tl.load(part_ptr + ((row0 + j) * H + offs_h[:, None]) * D + offs_d[None, :], mask=hd_ok,
-                       other=0.0) * w[:, None]
+    for j0 in range(0, n_split, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        j_ok = (j < n_split)[:, None] & h_ok[None, :]
+        at = ml_ptr + ((row0 + j) * 2 * H)[:, None] + offs_h[None, :]
+        w = tl.exp(tl.load(at, mask=j_ok, other=-1e30) - m[None, :])
+        l_tot += tl.sum(tl.load(at + H, mask=j_ok, other=0.0) * w, axis=0)
+        p = tl.load(part_ptr + (((row0 + j)[:, None] * H + offs_h[None, :]) * D)[:, :, None] + offs_d[None, None, :],
+                    mask=j_ok[:, :, None] & hd_ok[None, :, :], other=0.0)
+        acc += tl.sum(p * w[:, :, None], axis=0)
     out = acc / l_tot[:, None]
     tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hd_ok)
@@ -786,8 +827,10 @@ def index_scores_kernel(
     S, H, T, D, scale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_ob, stride_os,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    vis_ptr=None, stride_vb=0, stride_vs=0, stride_vt=0, VISIBLE: tl.constexpr = False,
 ):
-    """o[b, s, t] = scale * sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t]); heads summed in fp32, in order."""
+    """o[b, s, t] = scale * sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t]); heads summed in fp32, in order.
+    VISIBLE: entries whose flag vis[b, s, t] (uint8, any strides: broadcast dims have stride 0) is 0 score -inf."""
     s_idx = tl.program_id(0)
     b = tl.program_id(1)
     offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -806,6 +849,9 @@ def index_scores_kernel(
         dots = tl.dot(q, tl.trans(k))
     w = tl.load(w_ptr + b * stride_wb + s_idx * stride_ws + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     sc = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * scale
+    if VISIBLE:
+        v = tl.load(vis_ptr + b * stride_vb + s_idx * stride_vs + offs_t * stride_vt, mask=t_ok, other=0)
+        sc = tl.where(v != 0, sc, float("-inf"))
     tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_t, sc, mask=t_ok)
 
 
@@ -816,12 +862,12 @@ def index_scores_kernel(
 @triton.jit
 def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK, n_split, stride_xm, stride_wn,
                       stride_ym, stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLITP: tl.constexpr):
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
     stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
     only the summation order differs). The reference would first write a float32 copy of W.
-    SPLIT: program (n, s) covers K from s * K_CHUNK (narrow W, e.g. the router's 256 rows, still spreads over
-    the SMs) and the splits are added in order by the last one to finish (`_split_sum`)."""
+    SPLITP > 0: program (n, s) covers K from s * K_CHUNK (narrow W, e.g. the router's 256 rows, still spreads
+    over the SMs) and the n_split (<= SPLITP) partials are added by the last split to finish (`_split_sum`)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -839,9 +885,11 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
     y = tl.sum(acc, axis=2)
     ok = m_ok[:, None] & n_ok[None, :]
     out_at = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if SPLIT:
-        _split_sum(y, part_ptr + rm[:, None] * N + rn[None, :], out_at, ok, split, n_split, stride_ps, lock_ptr + pid,
-                   y_ptr, False)
+    if SPLITP > 0:
+        flat: tl.constexpr = BLOCK_M * BLOCK_N
+        _split_sum(tl.reshape(y, (flat,)), tl.reshape(part_ptr + rm[:, None] * N + rn[None, :], (flat,)),
+                   tl.reshape(out_at, (flat,)), tl.reshape(ok, (flat,)), split, n_split, stride_ps, lock_ptr + pid,
+                   y_ptr, False, SPLITP)
     else:
         tl.store(out_at, y.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -1084,6 +1132,10 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = rd < D
+    hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)  # first: its round trip overlaps the weights' arithmetic below
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
@@ -1111,10 +1163,6 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
             tl.store(post_ptr + row * N + i, post, mask=ok)
             tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
     pre = tl.where(ok, pre, 0.0)
-    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = rd < D
-    hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
-                 other=0.0).to(tl.float32)
     tl.store(x_ptr + row * stride_x + rd, tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -1122,8 +1170,9 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
                    stride_y, stride_fn, stride_p, NP: tl.constexpr, BLOCK_D: tl.constexpr, MIXP: tl.constexpr = 1,
                    PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False):
-    """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32, j in order), one row and one
-    D block per program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32.
+    """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and one D block per
+    program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input
+    (and fn's slice) is loaded before any arithmetic: a loop over j or k waited for one round trip per step.
     MIX_NEXT (the op hc_post_pre): also the next hc_pre's split-K mix partials of this block, from y as rounded
     to its dtype (what hc_pre would read): the dots with fn's MIX rows and the sum of squares, at
     part[row, block, :MIX] and part[row, block, PW - 1] (hc_mix_partial_kernel's layout, one split per block)."""
@@ -1132,26 +1181,23 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     i = tl.arange(0, NP)
     ok = i < N
     d_ok = rd < D
+    jd_ok = ok[:, None] & d_ok[None, :]
     o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
-    acc = tl.load(post_ptr + row * N + i, mask=ok, other=0.0)[:, None] * o[None, :]
-    for j in range(N):
-        c = tl.load(comb_ptr + row * N * N + j * N + i, mask=ok, other=0.0)
-        hj = tl.load(h_ptr + row * stride_h + j * D + rd, mask=d_ok, other=0.0).to(tl.float32)
-        acc += c[:, None] * hj[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=ok[:, None] & d_ok[None, :])
+    post = tl.load(post_ptr + row * N + i, mask=ok, other=0.0)
+    comb = tl.load(comb_ptr + row * N * N + i[:, None] * N + i[None, :], mask=ok[:, None] & ok[None, :], other=0.0)
+    hh = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=jd_ok, other=0.0).to(tl.float32)
     if MIX_NEXT:
-        yf = tl.where(ok[:, None] & d_ok[None, :], y.to(tl.float32), 0.0)
         m = tl.arange(0, MIXP)
         m_ok = m < MIX
-        dots = tl.zeros([MIXP], dtype=tl.float32)
-        for k in range(N):
-            yk = tl.sum(tl.where((i == k)[:, None], yf, 0.0), axis=0)  # stream k of this block
-            f = tl.load(fn_ptr + m[:, None] * stride_fn + k * D + rd[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            dots += tl.sum(f * yk[None, :], axis=1)
+        f = tl.load(fn_ptr + m[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
+                    mask=m_ok[:, None, None] & jd_ok[None, :, :], other=0.0)  # [MIX, k, d]
+    acc = post[:, None] * o[None, :] + tl.sum(comb[:, :, None] * hh[:, None, :], axis=0)  # [k, d]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=jd_ok)
+    if MIX_NEXT:
+        yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
         at = part_ptr + row * stride_p + tl.program_id(1) * PW
-        tl.store(at + m, dots, mask=m_ok)
+        tl.store(at + m, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1), mask=m_ok)
         tl.store(at + PW - 1, tl.sum(tl.sum(yf * yf, axis=1), axis=0))
 
 
@@ -1189,7 +1235,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_stream", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
-     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
     ("moe_gate_up_dot", moe_gate_up_kernel,
@@ -1201,7 +1247,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True), 4, False),
     ("moe_down_stream", moe_down_kernel,  # one token: the k pair rows summed by the last pair (+ shared)
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
-          STREAM=True, SUM=True, HAS_ADD=True), 4, False),
+          STREAM=True, SUM=True, HAS_ADD=True, SPLITP=8), 4, False),
     ("fp8_stream_prefetch", fp8_stream_kernel,  # the default tile (FP8_STREAM), register double buffering
      _sig(*_FP8_WORDS_ARGS, BLOCK_N=64, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True), 8,
      False),
@@ -1210,7 +1256,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True), 4, False),
     ("moe_down_stream_prefetch", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
-          STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True), 4, False),
+          STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True, SPLITP=8), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr add_ptr D", "*fp32 *bf16 *bf16 i32", TOPK=6, BLOCK_D=1024,
                                      HAS_ADD=True), 4, False),
     ("rms_norm", rms_norm_kernel,
@@ -1233,17 +1279,17 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True), 8, True),
     ("attention_combine", attention_combine_kernel,
      _sig("part_ptr ml_ptr sink_ptr o_ptr S H D n_split stride_ob stride_os stride_oh",
-          "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=512), 4, False),
+          "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=32, BLOCK_S=16), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
     ("dense_gemv", dense_gemv_kernel,
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-          SPLIT=False), 2, False),
+          SPLITP=0), 2, False),
     ("dense_gemv_split", dense_gemv_kernel,  # the in-kernel split-K sum (integer atomics, fixed order)
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-          SPLIT=True), 2, False),
+          SPLITP=16), 2, False),
     ("compress_pool", compress_pool_kernel,
      _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
           "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
