@@ -18,6 +18,7 @@ import torch
 from .cache import Cache, CompressorState, LayerCache, StaticCache, StaticCompressor, StaticLayer
 from .config import Config, rope_inv_freq
 from .ops import QWeight
+from .streams import SideStream, stream_key
 
 
 @dataclass
@@ -184,9 +185,11 @@ class Attention:
         self.indexer = (Compressor(w, p + "indexer.compressor.", 4, cfg.index_head_dim, model)
                         if self.ratio == 4 else None)
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None):
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
+                 side: SideStream | None = None, beside=None):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
-        when decoding), q's low-rank qr, cos/sin."""
+        when decoding), q's low-rank qr, cos/sin. `beside(qr)`, when given, is issued on the `side` stream once
+        qr exists, while q and kv are finished here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -196,6 +199,9 @@ class Attention:
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
         qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
+        if beside is not None:
+            with side.beside():
+                beside(qr)
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
         kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
         return q, kv, qr, cos, sin
@@ -257,13 +263,19 @@ class Attention:
         return self._output(q, keys, mask, cos, sin)
 
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync."""
-        q, _, qr, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos))  # kv: into the ring
+        """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync. A compressed
+        layer's compressors and indexer run on the side stream beside the q/kv projection (they read only x,
+        and the indexer qr); attention waits for both."""
+        side, picked = self.m.side, None
         if self.ratio:
-            self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
-            if self.indexer is not None:
-                ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
-                self._picked(x, qr, ikeys, pos, sl.compressor.valid.unsqueeze(1), ctx, out=sl.entry_mask)
+            with side.beside():
+                self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
+                ikeys = None if self.indexer is None else self.indexer.decode(x, sl.indexer, pos, ctx)
+            if ikeys is not None:
+                def picked(qr):
+                    self._picked(x, qr, ikeys, pos, sl.compressor.valid.unsqueeze(1), ctx, out=sl.entry_mask)
+        q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, picked)  # kv: ring
+        side.join()
         return self._output(q, sl.keys, sl.mask, cos, sin)
 
     def to_static(self, lc: LayerCache, pos: int, batch: int, capacity: int, dtype: torch.dtype) -> StaticLayer:
@@ -300,6 +312,8 @@ class MoE:
         ctx = ctx or _Ctx(None, False, ())
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
+        with m.side.beside():  # the shared expert beside the router and the routed experts' gate/up
+            shared = self.shared(x2)
         logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
@@ -313,13 +327,23 @@ class MoE:
             fixed = forced.reshape(-1, k)
         if fixed is not None:
             idx, weights, _ = ops.route(logits, bias, *route, fixed)
+        e = m.experts[self.i]
+
+        def joined() -> torch.Tensor:  # called by moe_experts once it needs the shared expert: after gate/up
+            m.side.join()
+            return shared
+
+        out = ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit, joined)
+        return out.view(B, S, D)
+
+    def shared(self, x2: torch.Tensor) -> torch.Tensor:
+        """The shared expert (SwiGLU MLP in FP8) of x2 [T, D]."""
+        cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         if self.w13 is not None:
             g, u = ops.linear(x2, self.w13).split(self.inter, -1)
         else:
             g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
-        shared = ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
-        e = m.experts[self.i]
-        return ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit, shared).view(B, S, D)
+        return ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
 
 
 class _Ctx:
@@ -354,8 +378,8 @@ class _Ctx:
         self._memo.clear()
 
     def memo(self, key: tuple, make):
-        """`make()` once per chunk under `key`: device values that every layer of a step shares (the window
-        ring's slot, RoPE's cos/sin), computed once instead of once per layer."""
+        """`make()` once per chunk under `key`: device values that every layer of a step shares (RoPE's
+        cos/sin), computed once instead of once per layer."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
@@ -364,7 +388,8 @@ class _Ctx:
              align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of `rope` at `pos` ([B, S] after expand; rounded down to a multiple of `align`: a decode
         step's compressed-entry position per ratio), computed once per chunk (one launch)."""
-        return self.memo(("rope", id(rope), align), lambda: rope(pos.expand(batch, tokens), align))
+        key = ("rope", id(rope), align, stream_key(pos.device))  # per stream: branches may run at once
+        return self.memo(key, lambda: rope(pos.expand(batch, tokens), align))
 
 
 class Model:
@@ -376,6 +401,7 @@ class Model:
         self.cfg, self.device, self.dtype, self.ops, self.source, self._sha = cfg, device, dtype, ops, source, None
         self.w = {k: (v.to(device) if isinstance(v, (QWeight, torch.Tensor)) else v) for k, v in weights.items()}
         self.rope_main, self.rope_c = _Rope(cfg, False, device, ops), _Rope(cfg, True, device, ops)
+        self.side = SideStream(device)  # the second stream of a decode step's independent branches
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
         self.attn = [Attention(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]

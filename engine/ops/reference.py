@@ -8,6 +8,8 @@ lower index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import formats
@@ -270,13 +272,14 @@ def moe_experts(
     idx: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
-    shared: torch.Tensor | None = None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: x [T, D], stacked expert weights w1/w3 [E, I, D], w2 [E, D, I], idx/weights [T, k].
 
     out[t] = sum_j weights[t, j] * W2[e] swiglu(W1[e] x, W3[e] x), e = idx[t, j], summed in order j = 0..k-1
     (a fixed order: no atomics, bit-reproducible), plus shared[t] (the shared expert's output) when given,
-    then rounded once. Only the experts that tokens selected are decoded.
+    then rounded once. Only the experts that tokens selected are decoded. `shared` may be a callable that
+    returns it, called only when the sum needs it (the model computes it on a side stream and joins there).
     """
     acc = _acc(x.dtype)
     xa = x.to(acc)
@@ -291,6 +294,8 @@ def moe_experts(
     out = contrib[:, 0]
     for j in range(1, idx.shape[1]):
         out = out + contrib[:, j]
+    if callable(shared):
+        shared = shared()
     if shared is not None:
         out = out + shared.to(acc)
     return out.to(x.dtype)

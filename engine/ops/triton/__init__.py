@@ -17,10 +17,12 @@ import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
+from ...streams import stream_key
 from .. import QWeight
 from .. import reference as _ref
 from . import kernels as _compiled
@@ -366,17 +368,19 @@ def moe_experts(
     idx: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
-    shared: torch.Tensor | None = None,
+    shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: grouped gate/up with fused clamped SwiGLU, grouped down x routing weight,
     then the fixed-order sum over the k slots plus `shared` (see reference.moe_experts for the math); for
-    one token the sum happens inside the down launch."""
+    one token the sum happens inside the down launch. A callable `shared` is called after gate/up."""
     if w1.kind != "mxfp4" or w2.kind != "mxfp4" or w3.kind != "mxfp4" or _use_reference(x):
         return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit, shared)
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
     h = moe_gate_up(x, w1, w3, plan, limit)
+    if callable(shared):
+        shared = shared()
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)
     if plan[0] == 1:  # one token, stream path
         return moe_down(h, w2, weights, plan, x.dtype, out=out, add=shared)
@@ -419,20 +423,21 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     return y.reshape(*lead, n)
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the in-kernel split sums (`_split_sum` leaves them zero again): one
-    buffer per device, made once and never freed (a captured CUDA graph keeps its address). Split launches on
-    one device must run in one stream order (the engine issues all its work on one stream): two in flight at
-    once would share counters."""
+    buffer per (device, stream), made once and never freed (a captured CUDA graph keeps its address). Launches
+    in one stream run in order; launches in two streams (engine/streams.py) may run at once, so each stream
+    has its own counters."""
     if n > LOCKS:
         raise ValueError(f"a split launch with {n} tiles: more than the {LOCKS} arrival counters")
-    if device not in _LOCKS:
-        _LOCKS[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _LOCKS[device]
+    key = (device, stream_key(device))
+    if key not in _LOCKS:
+        _LOCKS[key] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
+    return _LOCKS[key]
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,

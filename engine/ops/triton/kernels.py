@@ -1268,6 +1268,10 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("norm_rope", rope_kernel,  # decode: one head per program, RMSNorm (weighted, as kv_norm) then RoPE
      _sig("x_ptr cos_ptr sin_ptr y_ptr w_ptr H D HALF SIGN EPS", "*bf16 *fp64 *fp64 *bf16 *bf16 i32 i32 i32 fp32 fp32",
           BLOCK_H=1, BLOCK_D=512, BLOCK_R=32, NORM=True, HAS_W=True), 4, False),
+    ("norm_rope_ring", rope_kernel,  # decode's K=V row, also written into the window ring
+     _sig("x_ptr cos_ptr sin_ptr y_ptr w_ptr H D HALF SIGN EPS ring_ptr ok_ptr pos_ptr W stride_rb stride_rs "
+          "stride_ob", "*bf16 *fp64 *fp64 *bf16 *bf16 i32 i32 i32 fp32 fp32 *bf16 *u8 *i64 i32 i32 i32 i32",
+          BLOCK_H=1, BLOCK_D=512, BLOCK_R=32, NORM=True, HAS_W=True, RING=True), 4, False),
     ("rope_cos_sin", rope_cos_sin_kernel,
      _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF ALIGN", "*i64 *fp64 *fp64 *fp64 i32 i32 i32", BLOCK_N=16,
           BLOCK_R=32), 4, False),
@@ -1282,6 +1286,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=32, BLOCK_S=16), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
+    ("index_scores_visible", index_scores_kernel,  # hidden entries -inf in the same launch
+     _sig(_IDX[0] + " vis_ptr stride_vb stride_vs stride_vt", _IDX[1] + " *u8 i32 i32 i32", BLOCK_H=64, BLOCK_T=32,
+          BLOCK_D=128, IEEE=False, VISIBLE=True), 4, True),
     ("dense_gemv", dense_gemv_kernel,
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
