@@ -27,6 +27,8 @@ class SideStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             _SIDE.add(self.stream.cuda_stream)
+        self.forked = False  # work issued beside since the last join (a join without one would, in a graph
+        # capture, wait on work outside the capture: CUDA refuses that)
 
     @contextlib.contextmanager
     def beside(self) -> Iterator[None]:
@@ -35,13 +37,15 @@ class SideStream:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self.forked = True
         with torch.cuda.stream(self.stream):
             yield
 
     def join(self) -> None:
-        """The current stream waits for everything issued on the side stream."""
-        if self.stream is not None:
+        """The current stream waits for everything issued on the side stream (nothing to do if nothing was)."""
+        if self.stream is not None and self.forked:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.forked = False
 
 
 def stream_key(device: torch.device) -> int:
