@@ -144,7 +144,8 @@ MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
-# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0).
+# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0): False,
+# True, or "unsplit" (only launches not split along K).
 FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
               "PREFETCH": False}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
@@ -153,6 +154,7 @@ FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": 
 # ignored on ROCm and in the CPU interpreter). K splits of the one-token streams lost (run 16) and were removed.
 MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 runs 8, 15, 16
               "PREFETCH": None, "PRMT": True}
+MOE_STREAM_DOWN = {"BLOCK_N": 16, "GROUPS": 8, "num_warps": 4}  # the down stream's tile (K 2048, D 4096 rows)
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -169,12 +171,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
-        prefetch = bool(c["PREFETCH"]) and k % 4 == 0  # the prefetched tile is read as uint32 words
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
-        if prefetch:  # W read as uint32 words: its view and row stride in the arguments
-            wd = wd.view(torch.int32)
-            args = (x, wd, sd, *args[3:9], wd.stride(0), *args[10:])
-            hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
@@ -185,6 +182,12 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
         chunk = triton_cdiv(triton_cdiv(k, split), step) * step
         split = triton_cdiv(k, chunk)
+        prefetch = c["PREFETCH"] == "unsplit" and split == 1 or c["PREFETCH"] is True
+        prefetch = prefetch and k % 4 == 0  # the prefetched tile is read as uint32 words
+        if prefetch:  # W read as uint32 words: its view and row stride in the arguments
+            wd = wd.view(torch.int32)
+            args = (x, wd, sd, *args[3:9], wd.stride(0), *args[10:])
+            hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
@@ -299,10 +302,12 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
 
-def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int) -> tuple[int, int, dict]:
+def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_N, GROUPS, other launch keywords) for this device, dtype and batch."""
     if tokens == 1 and MOE_STREAM["on"] and bm == 1:
-        c = dict(MOE_STREAM, BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1) if launch.cpu else MOE_STREAM
+        c = dict(MOE_STREAM, **(MOE_STREAM_DOWN if down else {}))
+        if launch.cpu:
+            c.update(BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1)
         return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
                                            "STREAM": True,
                                            "PREFETCH": _ptx(x) if c["PREFETCH"] is None else bool(c["PREFETCH"]),
@@ -341,7 +346,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
-    bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)))
+    bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)), True)
     words = kw.get("STREAM", False)
     fused = out is not None
     if fused and not (words and bm == 1):
