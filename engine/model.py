@@ -188,8 +188,8 @@ class Attention:
     def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
                  side: SideStream | None = None, beside=None):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
-        when decoding), q's low-rank qr, cos/sin. `beside(qr)`, when given, is issued on the `side` stream once
-        qr exists, while q and kv are finished here."""
+        when decoding), q's low-rank qr, cos/sin. With a `side` stream (decode), kv's norm and RoPE and then
+        `beside(qr)` are issued there once qr exists, while q is finished here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -199,11 +199,15 @@ class Attention:
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
         qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
-        if beside is not None:
+        if side is not None:  # decode: kv into the ring and (beside) the indexer's pick, next to q's projection
+            side.hold(kv, qr)  # read beside: alive until the join
             with side.beside():
-                beside(qr)
+                kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)
+                if beside is not None:
+                    beside(qr)
+        else:
+            kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
-        kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
         return q, kv, qr, cos, sin
 
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:
@@ -264,9 +268,10 @@ class Attention:
 
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync. A compressed
-        layer's compressors and indexer run on the side stream beside the q/kv projection (they read only x,
-        and the indexer qr); attention waits for both."""
+        layer's compressors and indexer, and kv's norm into the window ring, run on the side stream beside q's
+        projection (they read only x, kv and qr); attention waits for both."""
         side, picked = self.m.side, None
+        side.hold(x)
         if self.ratio:
             with side.beside():
                 self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
@@ -312,6 +317,7 @@ class MoE:
         ctx = ctx or _Ctx(None, False, ())
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
+        m.side.hold(x2)
         with m.side.beside():  # the shared expert beside the router and the routed experts' gate/up
             shared = self.shared(x2)
         logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
@@ -563,7 +569,7 @@ class Model:
         """Embedding, the layers (attention by `attend(layer, normed input)`), mHC head, final norm, head."""
         cfg, w, ops = self.cfg, self.w, self.ops
         B, S = ids.shape
-        x = w["embed.weight"][ids].to(self.dtype)
+        x = torch.nn.functional.embedding(ids, w["embed.weight"]).to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
         hc = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
 

@@ -5,8 +5,9 @@ of queueing one after another (each costs ~2-5 us however few bytes it reads).
 
 Safety rests on the fork/join discipline: `beside()` first makes the side stream wait for everything issued
 so far on the current stream, `join()` makes the current stream wait for the side stream, and every `beside()`
-is joined before the caller returns. A tensor that one branch allocates and the other reads is freed (Python)
-only after the join, and the side stream's next fork waits for the main stream's work, so the caching
+is joined before the caller returns. A tensor of the main branch that the side branch reads is kept alive until
+the join (`hold`, or by the caller's own references); one the side branch allocates and the main branch reads
+is freed after the join, and the side stream's next fork waits for the main stream's work: so the caching
 allocator never hands out memory a branch may still read. Off CUDA (CPU, the interpreter) it is a no-op: the
 same work runs inline in program order.
 """
@@ -29,6 +30,7 @@ class SideStream:
             _SIDE.add(self.stream.cuda_stream)
         self.forked = False  # work issued beside since the last join (a join without one would, in a graph
         # capture, wait on work outside the capture: CUDA refuses that)
+        self.held: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def beside(self) -> Iterator[None]:
@@ -41,11 +43,18 @@ class SideStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Keep tensors the side stream reads alive until the join: freed earlier, their memory could go to a
+        new tensor of the current stream while the side stream still reads it."""
+        if self.stream is not None:
+            self.held.extend(tensors)
+
     def join(self) -> None:
         """The current stream waits for everything issued on the side stream (nothing to do if nothing was)."""
         if self.stream is not None and self.forked:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self.forked = False
+        self.held.clear()
 
 
 def stream_key(device: torch.device) -> int:

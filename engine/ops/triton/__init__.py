@@ -152,9 +152,9 @@ FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": 
 # PREFETCH: register double buffering of the next K step (None: on for CUDA, where it won on the H200, runs 15-16;
 # off for gfx90a, whose prefetching loop compiles 1.2-2.4x longer); PRMT: the inline-PTX E2M1 decode (CUDA only:
 # ignored on ROCm and in the CPU interpreter). K splits of the one-token streams lost (run 16) and were removed.
-MOE_STREAM = {"on": True, "BLOCK_N": 16, "GROUPS": 8, "num_warps": 4, "num_stages": 2,  # H200 runs 8, 15, 16
+MOE_STREAM = {"on": True, "BLOCK_N": 8, "GROUPS": 16, "num_warps": 2, "num_stages": 2,  # H200 runs 8-16, 25
               "PREFETCH": None, "PRMT": True}
-MOE_STREAM_DOWN = {"BLOCK_N": 16, "GROUPS": 8, "num_warps": 4}  # the down stream's tile (K 2048, D 4096 rows)
+MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down stream's own tile (K 2048): run 25
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
