@@ -560,8 +560,16 @@ class Model:
         ctx = ctx or _Ctx(None, False, ())
         ctx.begin(sc.host_pos)
         pos = sc.pos
-        out = self._body(token, ctx, lambda i, x: self.attn[i].decode(x, sc.layers[i], pos, ctx))
-        sc.pos += 1
+
+        def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+            a = self.attn[i].decode(x, sc.layers[i], pos, ctx)
+            if i == self.cfg.num_hidden_layers - 1:  # pos has no reader left: advance it beside the last MoE
+                with self.side.beside():
+                    sc.pos += 1
+            return a
+
+        out = self._body(token, ctx, attend)
+        self.side.join()
         sc.host_pos += 1
         return out
 

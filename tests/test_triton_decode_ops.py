@@ -70,6 +70,12 @@ def test_hc_pre(n, rows, d, dtype):
         assert rel(a, b) <= t
     comb = got[1].double()
     assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)  # doubly stochastic
+    x = h[:, :, :1].expand(rows, 1, n, d)  # the first block's streams: one row broadcast, stream stride 0
+    assert x.stride(2) == 0
+    bgot = tri.hc_pre(x, fn, base, scale, n, 20, 1e-6, 1e-6)
+    bwant = ref.hc_pre(x.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6)
+    for a, b, t in zip(bgot, bwant, (1e-5, 1e-5, tol), strict=True):
+        assert rel(a, b) <= t
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -80,6 +86,9 @@ def test_hc_post(n, rows, d):
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
     got = tri.hc_post(out, h, post, comb)
     assert rel(got, ref.hc_post(out.double(), h.double(), post.double(), comb.double())) <= 1e-5
+    x = h[:, :, :1].expand(rows, 1, n, d)  # the first block's streams: one row broadcast, stream stride 0
+    got = tri.hc_post(out, x, post, comb)
+    assert rel(got, ref.hc_post(out.double(), x.double(), post.double(), comb.double())) <= 1e-5
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

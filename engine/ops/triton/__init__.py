@@ -550,33 +550,41 @@ HC_MIX_BLOCK_D = 32  # hc_post_pre's D blocks: each also streams its [MIX, n x 3
 # streamed the 1.5 MB fn at 9.6 us a call, run 17; hc_mix_partial's 128 programs took 2.3 us)
 
 
-def _hc_mix(h2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """mHC's split-K mix partials of the flattened streams h2 [rows, n*D] with fn (one launch): [rows, split, MIX+1]."""
-    rows, k = h2.shape
+def _streams(h: torch.Tensor) -> torch.Tensor:
+    """h [..., n, D] as [rows, n, D] without a copy where the strides allow (the first block's streams: one
+    embedding broadcast n times, stream stride 0); D must be contiguous."""
+    h3 = h.reshape(-1, *h.shape[-2:])
+    return h3 if h3.stride(2) == 1 else h3.contiguous()
+
+
+def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """mHC's split-K mix partials of the streams h3 [rows, n, D] (flattened to n*D) with fn (one launch):
+    [rows, split, MIX+1]."""
+    rows, k = h3.shape[0], h3.shape[1] * h3.shape[2]
     fn = fn.float().contiguous()
     mix, bk = fn.shape[0], 128
     split = max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // rows))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
-    part = _empty(rows, split, mix + 1, dtype=torch.float32, device=h2.device)
-    _Launch(h2)("hc_mix_partial_kernel", (rows, split), h2, fn, part, k, chunk, mix, h2.stride(0), fn.stride(0),
-                part.stride(0), PW=mix + 1, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
+    part = _empty(rows, split, mix + 1, dtype=torch.float32, device=h3.device)
+    _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, k, chunk, mix, h3.stride(0), fn.stride(0),
+                part.stride(0), h3.shape[2], h3.stride(1), PW=mix + 1, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
     return part, split
 
 
-def _hc_collapse(part: torch.Tensor, split: int, h2: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def _hc_collapse(part: torch.Tensor, split: int, h3: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                  n: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
     """One launch over (row, D block): the mHC weights from the mix partials and the collapsed input. Returns
     (post, comb, x) flattened over rows (post, comb None for the head, whose x is fp32)."""
-    rows, d = h2.shape[0], h2.shape[1] // n
-    post = None if head else _empty(rows, n, dtype=torch.float32, device=h2.device)
-    comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h2.device)
-    x = _empty(rows, d, dtype=torch.float32 if head else h2.dtype, device=h2.device)  # the head's input: fp32
+    rows, d = h3.shape[0], h3.shape[2]
+    post = None if head else _empty(rows, n, dtype=torch.float32, device=h3.device)
+    comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h3.device)
+    x = _empty(rows, d, dtype=torch.float32 if head else h3.dtype, device=h3.device)  # the head's input: fp32
     bd = min(HC_BLOCK_D, _pow2(d))
-    _Launch(h2)("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h2, base.float().contiguous(),
+    _Launch(h3)("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h3, base.float().contiguous(),
                 scale.float().contiguous(), x if head else post, x if head else comb, x, n, d, split, iters,
-                float(norm_eps), float(hc_eps), part.stride(0), h2.stride(0), x.stride(0), PW=part.shape[-1],
-                NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd, HEAD=head,
+                float(norm_eps), float(hc_eps), part.stride(0), h3.stride(0), x.stride(0), h3.stride(1),
+                PW=part.shape[-1], NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd, HEAD=head,
                 num_warps=1)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
     return post, comb, x
 
@@ -588,8 +596,8 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if _use_reference(h):
         return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
     lead, d = h.shape[:-2], h.shape[-1]
-    h2 = h.reshape(-1, n * d).contiguous()
-    post, comb, x = _hc_collapse(*_hc_mix(h2, fn), h2, base, scale, n, iters, norm_eps, hc_eps, head=False)
+    h3 = _streams(h)
+    post, comb, x = _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, iters, norm_eps, hc_eps, head=False)
     return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
 
 
@@ -599,27 +607,27 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if _use_reference(h):
         return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps)
     lead, (n, d) = h.shape[:-2], h.shape[-2:]
-    h2 = h.reshape(-1, n * d).contiguous()
-    return _hc_collapse(*_hc_mix(h2, fn), h2, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
+    h3 = _streams(h)
+    return _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
 
 
 def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
              fn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hc_post's launch: the new streams [rows, n*D], and with `fn` the next hc_pre's mix partials as well."""
     n, d = h.shape[-2:]
-    h2 = h.reshape(-1, n * d).contiguous()
+    h3 = _streams(h)
     o2 = out.reshape(-1, d).contiguous()
-    rows = h2.shape[0]
+    rows = h3.shape[0]
     y = _empty(rows, n * d, dtype=h.dtype, device=h.device)
     mix = 0 if fn is None else fn.shape[0]
     bd = min(HC_BLOCK_D if not mix else HC_MIX_BLOCK_D, _pow2(d))
     blocks = triton_cdiv(d, bd)
     fn = y if fn is None else fn.float().contiguous()
     part = _empty(rows, blocks, mix + 1, dtype=torch.float32, device=h.device) if mix else y
-    _Launch(h)("hc_post_kernel", (rows, blocks), o2, h2, post.reshape(rows, n).float().contiguous(),
-               comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h2.stride(0),
-               y.stride(0), fn.stride(0), part.stride(0), NP=_pow2(n, 2), BLOCK_D=bd, MIXP=_pow2(max(mix, 1), 1),
-               PW=mix + 1, MIX_NEXT=mix > 0, num_warps=4)
+    _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
+               comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
+               y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,
+               MIXP=_pow2(max(mix, 1), 1), PW=mix + 1, MIX_NEXT=mix > 0, num_warps=4)
     return y, (part if mix else None)
 
 
@@ -638,7 +646,8 @@ def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: to
         return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, iters, norm_eps, hc_eps)
     lead, d = h.shape[:-2], h.shape[-1]
     y, part = _hc_post(out, h, post, comb, fn)
-    post2, comb2, x = _hc_collapse(part, part.shape[1], y, base, scale, n, iters, norm_eps, hc_eps, head=False)
+    post2, comb2, x = _hc_collapse(part, part.shape[1], y.view(-1, n, d), base, scale, n, iters, norm_eps, hc_eps,
+                                   head=False)
     return y.reshape(h.shape), post2.reshape(*lead, n), comb2.reshape(*lead, n, n), x.reshape(*lead, d)
 
 

@@ -1095,9 +1095,10 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, I, limit, stride_g, stride_u, stride_y,
 
 
 @triton.jit
-def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p,
+def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p, D, stride_hn,
                           PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams with every fn row over
+    """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams (K = n * D; stream j of a
+    row at j * stride_hn: 0 for the first block's streams, one embedding broadcast) with every fn row over
     one K chunk and their sum of squares, at part[row, split, :MIX] and part[row, split, PW - 1]. Split so
     the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
     row = tl.program_id(0).to(tl.int64)
@@ -1110,7 +1111,7 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stri
     for kk in range(0, CHUNK, BLOCK_K):
         rk = k0 + kk + tl.arange(0, BLOCK_K)
         ok = rk < K
-        x = tl.load(h_ptr + row * stride_h + rk, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(h_ptr + row * stride_h + (rk // D) * stride_hn + rk % D, mask=ok, other=0.0).to(tl.float32)
         f = tl.load(fn_ptr + j[:, None] * stride_fn + rk[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
         acc += f * x[None, :]
         sq += x * x
@@ -1121,7 +1122,7 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stri
 
 @triton.jit
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
-                  N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x,
+                  N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x, stride_hn,
                   PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr,
                   HEAD: tl.constexpr = False):
     """Program (row, D block), fp32: the mix (splits summed in order, times the streams' inverse RMS), then
@@ -1134,7 +1135,7 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     ok = i < N
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = rd < D
-    hv = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=ok[:, None] & d_ok[None, :],
+    hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=ok[:, None] & d_ok[None, :],
                  other=0.0).to(tl.float32)  # first: its round trip overlaps the weights' arithmetic below
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
@@ -1168,10 +1169,11 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 
 @triton.jit
 def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
-                   stride_y, stride_fn, stride_p, NP: tl.constexpr, BLOCK_D: tl.constexpr, MIXP: tl.constexpr = 1,
-                   PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False):
+                   stride_y, stride_fn, stride_p, stride_hn, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MIXP: tl.constexpr = 1, PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False):
     """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and one D block per
-    program; h and y [rows, N, D] contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input
+    program; h [rows, N, D] (stream stride stride_hn: 0 for the first block's broadcast embedding) and y
+    contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input
     (and fn's slice) is loaded before any arithmetic: a loop over j or k waited for one round trip per step.
     MIX_NEXT (the op hc_post_pre): also the next hc_pre's split-K mix partials of this block, from y as rounded
     to its dtype (what hc_pre would read): the dots with fn's MIX rows and the sum of squares, at
@@ -1185,7 +1187,7 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + row * N + i, mask=ok, other=0.0)
     comb = tl.load(comb_ptr + row * N * N + i[:, None] * N + i[None, :], mask=ok[:, None] & ok[None, :], other=0.0)
-    hh = tl.load(h_ptr + row * stride_h + i[:, None] * D + rd[None, :], mask=jd_ok, other=0.0).to(tl.float32)
+    hh = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=jd_ok, other=0.0).to(tl.float32)
     if MIX_NEXT:
         m = tl.arange(0, MIXP)
         m_ok = m < MIX
@@ -1325,23 +1327,25 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("g_ptr u_ptr y_ptr I limit stride_g stride_u stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32 i32",
           HAS_LIMIT=True, BLOCK=1024), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
-     _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p", "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32",
-          PW=25, MIXP=32, BLOCK_K=128), 4, False),
+     _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p D stride_hn",
+          "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", PW=25, MIXP=32, BLOCK_K=128), 4, False),
     ("hc_pre", hc_pre_kernel,
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
+          "stride_h stride_x stride_hn",
+          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32",
           PW=25, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False), 1, False),
     ("hc_head", hc_pre_kernel,  # the model head's collapse: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x", "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32",
+          "stride_h stride_x stride_hn",
+          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32",
           PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
-          "stride_p", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
           BLOCK_D=256), 4, False),
     ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre)
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
-          "stride_p", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
           BLOCK_D=32, MIXP=32, PW=25, MIX_NEXT=True), 4, False),
 ]
 
