@@ -186,10 +186,10 @@ class Attention:
                         if self.ratio == 4 else None)
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
-                 side: SideStream | None = None, beside=None):
+                 side: SideStream | None = None, pick: tuple | None = None):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
-        when decoding), q's low-rank qr, cos/sin. With a `side` stream (decode), kv's norm and RoPE and then
-        `beside(qr)` are issued there once qr exists, while q is finished here."""
+        when decoding), q's low-rank qr, cos/sin. With a `side` stream (decode), kv's norm and RoPE are issued
+        there once qr exists, and `pick` = (stream, fn) issues fn(qr) on its stream, while q is finished here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -199,12 +199,14 @@ class Attention:
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
         qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
-        if side is not None:  # decode: kv into the ring and (beside) the indexer's pick, next to q's projection
-            side.hold(kv, qr)  # read beside: alive until the join
+        if side is not None:  # decode: kv into the ring and the indexer's pick beside q's projection
+            side.hold(kv)  # read beside: alive until the join
             with side.beside():
                 kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)
-                if beside is not None:
-                    beside(qr)
+            if pick is not None:
+                pick[0].hold(qr)
+                with pick[0].beside():
+                    pick[1](qr)
         else:
             kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
@@ -267,20 +269,27 @@ class Attention:
         return self._output(q, keys, mask, cos, sin)
 
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync. A compressed
-        layer's compressors and indexer, and kv's norm into the window ring, run on the side stream beside q's
-        projection (they read only x, kv and qr); attention waits for both."""
-        side, picked = self.m.side, None
+        """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync. Beside q's
+        projection: a compressed layer's compressor and kv's norm into the window ring on the side stream, the
+        indexer (its compressor, then its pick once qr exists) on the second; attention waits for all three."""
+        side, side2, pick = self.m.side, self.m.side2, None
         side.hold(x)
+        side2.hold(x)
         if self.ratio:
             with side.beside():
                 self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
-                ikeys = None if self.indexer is None else self.indexer.decode(x, sl.indexer, pos, ctx)
-            if ikeys is not None:
-                def picked(qr):
-                    self._picked(x, qr, ikeys, pos, sl.compressor.valid.unsqueeze(1), ctx, out=sl.entry_mask)
-        q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, picked)  # kv: ring
+            if self.indexer is not None:
+                with side2.beside():
+                    ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
+
+                def picked(qr: torch.Tensor) -> None:  # the indexer's own (ratio 4) valid flags: the same as the
+                    # compressor's, without waiting for the other branch
+                    self._picked(x, qr, ikeys, pos, sl.indexer.valid.unsqueeze(1), ctx, out=sl.entry_mask)
+
+                pick = (side2, picked)
+        q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, pick)  # kv: ring
         side.join()
+        side2.join()
         return self._output(q, sl.keys, sl.mask, cos, sin)
 
     def to_static(self, lc: LayerCache, pos: int, batch: int, capacity: int, dtype: torch.dtype) -> StaticLayer:
@@ -407,7 +416,7 @@ class Model:
         self.cfg, self.device, self.dtype, self.ops, self.source, self._sha = cfg, device, dtype, ops, source, None
         self.w = {k: (v.to(device) if isinstance(v, (QWeight, torch.Tensor)) else v) for k, v in weights.items()}
         self.rope_main, self.rope_c = _Rope(cfg, False, device, ops), _Rope(cfg, True, device, ops)
-        self.side = SideStream(device)  # the second stream of a decode step's independent branches
+        self.side, self.side2 = SideStream(device, 1), SideStream(device, 2)  # a decode step's side branches
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
         self.attn = [Attention(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]

@@ -1,5 +1,6 @@
-"""A side CUDA stream for decode work that does not wait on the work beside it: the shared expert next to the
-router and routed experts, a compressed layer's compressors and indexer next to its q projection. In a captured
+"""Side CUDA streams for decode work that does not wait on the work beside it: the shared expert next to the
+router and routed experts; a compressed layer's compressor, and its indexer on a second side stream, next to
+its q projection. In a captured
 decode graph the two branches become parallel graph branches, so small latency-bound kernels overlap instead
 of queueing one after another (each costs ~2-5 us however few bytes it reads).
 
@@ -19,15 +20,15 @@ from collections.abc import Iterator
 
 import torch
 
-_SIDE: set[int] = set()  # cuda_stream handles of every SideStream
+_SIDE: dict[int, int] = {}  # cuda_stream handle of every SideStream -> its branch number
 
 
 class SideStream:
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, branch: int = 1):
         device = torch.device(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
-            _SIDE.add(self.stream.cuda_stream)
+            _SIDE[self.stream.cuda_stream] = branch
         self.forked = False  # work issued beside since the last join (a join without one would, in a graph
         # capture, wait on work outside the capture: CUDA refuses that)
         self.held: list[torch.Tensor] = []
@@ -58,9 +59,9 @@ class SideStream:
 
 
 def stream_key(device: torch.device) -> int:
-    """Which branch work on `device` is issued to now: 1 on a side stream, else 0 (the main branch, whatever
-    stream carries it: eager, or a graph's capture stream). Device scratch shared across launches (the
-    split-sum counters, memoized per-step values) is kept per branch: the two may run at once."""
+    """Which branch work on `device` is issued to now: a side stream's branch number, else 0 (the main branch,
+    whatever stream carries it: eager, or a graph's capture stream). Device scratch shared across launches (the
+    split-sum counters, memoized per-step values) is kept per branch: branches may run at once."""
     if device.type != "cuda":
         return 0
-    return int(torch.cuda.current_stream(device).cuda_stream in _SIDE)
+    return _SIDE.get(torch.cuda.current_stream(device).cuda_stream, 0)
