@@ -4,8 +4,8 @@ each timed in a CUDA graph over inputs rotated beyond the L2, against the copy c
 (`--what`, a comma list):
 
   reads  a plain read of 53 MB in several chunkings: the ceiling for a read-only kernel of this size
-  rows   skel (the stream's loads alone, an xor instead of the decode), cur (the engine's _mxfp4_stream, x split
-         per nibble slot through shared memory) and xpre (x handed in pre-split per slot: XPRE)
+  rows   skel (the stream's loads alone, an xor instead of the decode) and cur (the engine's _mxfp4_stream, x split
+         per nibble slot through shared memory; run 20 also tried x handed in pre-split per slot: 0.39 at best)
   tiled  tskel / tiled: the same over tile-major weights (each step of a program one contiguous tile)
   ds     tl.dot_scaled (e2m1 weights as the lhs, x as a bf16 rhs column): Triton's MX path
 
@@ -57,13 +57,13 @@ def skel_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.const
 
 @triton.jit
 def cur_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-               PAIR: tl.constexpr, PREFETCH: tl.constexpr, PRMT: tl.constexpr, XPRE: tl.constexpr):
+               PAIR: tl.constexpr, PREFETCH: tl.constexpr, PRMT: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = offs_n < N
     w1 = w_ptr + offs_n.to(tl.int64) * stride_w
     s1 = s_ptr + offs_n.to(tl.int64) * stride_s
     a, b = K_._mxfp4_stream(w1, s1, w1 + N.to(tl.int64) * stride_w, s1 + N * stride_s, x_ptr, K, r_ok,
-                            BLOCK_N, GROUPS, PAIR, PREFETCH, PRMT, XPRE)
+                            BLOCK_N, GROUPS, PAIR, PREFETCH, PRMT)
     tl.store(y_ptr + offs_n, a + b, mask=r_ok)
 
 
@@ -214,19 +214,19 @@ def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, pair: bool) -> 
     return y[: len(y) // 2] + y[len(y) // 2:] if pair else y
 
 
-def _launcher(name, bn, g, nw, stages, pf, prmt, xpre, n, k, pair, small):
-    """launch(w, s, x, xp, y) for one variant (w: int32 words, or tile-major words for tskel/tiled)."""
+def _launcher(name, bn, g, nw, stages, pf, prmt, n, k, pair, small):
+    """launch(w, s, x, y) for one variant (w: int32 words, or tile-major words for tskel/tiled)."""
     grid = (triton.cdiv(n, bn),)
     if name == "ds":
-        return lambda w, s, x, xp, y: ds_kernel[grid](w.view(torch.uint8), s, x, y, n, k, k // 2, k // 32, bn, g,
+        return lambda w, s, x, y: ds_kernel[grid](w.view(torch.uint8), s, x, y, n, k, k // 2, k // 32, bn, g,
                                                       pair, 3 if small else 1, num_warps=nw, num_stages=stages)
     if name in ("tskel", "tiled"):
-        return lambda w, s, x, xp, y: tiled_kernel[grid](w, s, x, y, n, k, bn, g, pair, pf, prmt, name == "tskel",
+        return lambda w, s, x, y: tiled_kernel[grid](w, s, x, y, n, k, bn, g, pair, pf, prmt, name == "tskel",
                                                          num_warps=nw)
     if name == "skel":
-        return lambda w, s, x, xp, y: skel_kernel[grid](w, s, y, n, k, k // 8, k // 32, bn, g, pair, num_warps=nw)
-    return lambda w, s, x, xp, y: cur_kernel[grid](w, s, xp if xpre else x, y, n, k, k // 8, k // 32, bn, g, pair, pf,
-                                                   prmt, xpre, num_warps=nw)
+        return lambda w, s, x, y: skel_kernel[grid](w, s, y, n, k, k // 8, k // 32, bn, g, pair, num_warps=nw)
+    return lambda w, s, x, y: cur_kernel[grid](w, s, x, y, n, k, k // 8, k // 32, bn, g, pair, pf, prmt,
+                                                num_warps=nw)
 
 
 def main() -> None:
@@ -246,20 +246,18 @@ def main() -> None:
     tiles = [(16, 8, 4), (32, 8, 4), (8, 16, 2), (16, 4, 2), (32, 4, 4), (64, 8, 8)]
     variants = []
     if "rows" in what:
-        variants += [("skel", False, False, False), ("cur", True, True, False), ("cur", False, False, False),
-                     ("xpre", True, True, True), ("xpre", False, True, True), ("xpre", False, False, True)]
+        variants += [("skel", False, False), ("cur", True, True), ("cur", False, False)]
     if "tiled" in what:
-        variants += [("tskel", False, False, False), ("tskel", True, False, False), ("tiled", True, True, False),
-                     ("tiled", False, True, False), ("tiled", False, False, False)]
+        variants += [("tskel", False, False), ("tskel", True, False), ("tiled", True, True), ("tiled", False, True),
+                     ("tiled", False, False)]
         tiles = [(16, 8, 4), (8, 16, 2), (32, 8, 4), (16, 16, 4), (64, 4, 4), (32, 4, 2)]
     if "ds" in what:
-        variants += [("ds", False, False, False)]
+        variants += [("ds", False, False)]
         tiles = [(bn, bk, nw, st) for bn, nw in ((16, 1), (32, 2), (64, 4), (128, 4), (32, 1), (64, 2))
                  for bk in (256, 512) for st in (3, 4)]
     if a.small:
-        shapes, tiles = [("gate_up", 64, 256, True), ("down", 64, 128, False)], [(16, 2, 4)]
-        if "ds" in what:
-            tiles = [(32, 128, 2, 2)]
+        shapes = [("gate_up", 64, 256, True), ("down", 64, 128, False)]
+        tiles = [(16, 2, 4), (32, 128, 2, 2)]  # (BLOCK_N, GROUPS, warps) for the streams, + stages for ds
         variants = [v for v in variants if not v[2]]  # no inline PTX in the interpreter
     for shape, rows, k, pair in shapes:
         data = []
@@ -267,18 +265,19 @@ def main() -> None:
             w = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device=dev, generator=gen)
             s = torch.randint(118, 130, (rows, k // 32), dtype=torch.uint8, device=dev, generator=gen)
             x = torch.randn(k, device=dev, generator=gen).to(torch.float16 if a.small else torch.bfloat16)
-            xp = x.float().view(k // 32, 4, 8).transpose(1, 2).contiguous()  # [g, p, i] = x[32g + 8i + p]
-            data.append((w.view(torch.int32), s, x, xp))
+            data.append((w.view(torch.int32), s, x))
         nbytes = rows * k // 2 + rows * k // 32
         n = rows // 2 if pair else rows
         want = reference(data[0][0].view(torch.uint8), data[0][1], data[0][2], pair)
-        for (bn, g, nw, *st), (name, pf, prmt, xpre) in itertools.product(tiles, variants):
+        for (bn, g, nw, *st), (name, pf, prmt) in itertools.product(tiles, variants):
+            if (name == "ds") != bool(st):
+                continue  # ds tiles carry num_stages; the streams' do not
             cfg = {"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "PREFETCH": pf, "PRMT": prmt}
             if name == "ds":
                 cfg = {"BLOCK_N": bn, "BLOCK_K": g, "num_warps": nw, "num_stages": st[0]}
-            launch = _launcher(name, bn, g, nw, st[0] if st else 1, pf, prmt, xpre, n, k, pair, a.small)
+            launch = _launcher(name, bn, g, nw, st[0] if st else 1, pf, prmt, n, k, pair, a.small)
             if name in ("tskel", "tiled"):
-                inputs = [(*tile_major(d[0], d[1], bn, g), d[2], None) for d in data]
+                inputs = [(*tile_major(d[0], d[1], bn, g), d[2]) for d in data]
             else:
                 inputs = data
             y = torch.full((n,), float("nan"), device=dev)

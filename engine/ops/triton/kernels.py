@@ -428,14 +428,6 @@ def _mxfp4_stream_xs(x, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_xpre(xp_base, g0, GROUPS: tl.constexpr):
-    """x of one K step from its pre-split copy xp[g, p, i] = x[32 g + 8 i + p] (fp32): slot p is one [G, 4] load."""
-    at = xp_base + (g0 + tl.arange(0, GROUPS))[:, None] * 32 + tl.arange(0, 4)[None, :]
-    return (tl.load(at), tl.load(at + 4), tl.load(at + 8), tl.load(at + 12),
-            tl.load(at + 16), tl.load(at + 20), tl.load(at + 24), tl.load(at + 28))
-
-
-@triton.jit
 def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
     """[BN, G] unscaled group sums (x 2^-14) of one tile of words w [BN, G, 4]: one FMA per code."""
     part = tl.zeros(w.shape, dtype=tl.float32)
@@ -454,7 +446,7 @@ def _mxfp4_stream_sum(w, xs, PRMT: tl.constexpr):
 @triton.jit
 def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr,
-                  PRMT: tl.constexpr, XPRE: tl.constexpr = False):
+                  PRMT: tl.constexpr):
     """One token row (M = 1): W1 x (and W3 x when PAIR) over all K for a [BLOCK_N] row tile, no tl.dot.
 
     w*_base address uint32 words (8 codes each). The tile is [BLOCK_N, GROUPS, 4] words: one row's scale group
@@ -464,8 +456,6 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
     each step waits for DRAM with nothing of its own in flight; with it the next step's words, scales and x are
     loaded (masked off past the end) before the current step is decoded, and carried into the next iteration.
     PRMT: the sm_90 inline-PTX decode (_e2m1_word_prmt); else the bit-op pair decode (gfx90a, the interpreter).
-    XPRE: x_base holds x pre-split per nibble slot (fp32, _mxfp4_xpre's layout): each slot is one [G, 4] load in
-    the tile's own layout, where splitting x in the loop costs shared-memory round trips and barriers.
     """
     n_groups = K // 32
     acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
@@ -485,10 +475,7 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
             if PAIR:
                 nw3 = _mxfp4_stream_words(w3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
                 ns3 = _mxfp4_stream_scales(s3_base, g0 + GROUPS, n_groups, r_ok, GROUPS)
-            if XPRE:
-                xs = _mxfp4_xpre(x_base, g0, GROUPS)
-            else:
-                xs = _mxfp4_stream_xs(x, GROUPS)
+            xs = _mxfp4_stream_xs(x, GROUPS)
             acc1 += _mxfp4_stream_sum(w1, xs, PRMT) * _e8m0(s1, 0)
             if PAIR:
                 acc3 += _mxfp4_stream_sum(w3, xs, PRMT) * _e8m0(s3, 0)
@@ -496,10 +483,7 @@ def _mxfp4_stream(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok,
             if PAIR:
                 w3, s3 = nw3, ns3
         else:  # words loaded after x's split and scales after the sum: the order that gives gfx90a v_fma_mix_f32
-            if XPRE:
-                xs = _mxfp4_xpre(x_base, g0, GROUPS)
-            else:
-                xs = _mxfp4_stream_xs(_mxfp4_stream_x(x_base, g0, K, GROUPS), GROUPS)
+            xs = _mxfp4_stream_xs(_mxfp4_stream_x(x_base, g0, K, GROUPS), GROUPS)
             part = _mxfp4_stream_sum(_mxfp4_stream_words(w1_base, g0, n_groups, r_ok, GROUPS), xs, PRMT)
             acc1 += part * _e8m0(_mxfp4_stream_scales(s1_base, g0, n_groups, r_ok, GROUPS), 0)
             if PAIR:
