@@ -40,7 +40,8 @@ def rope_twice(model) -> None:
         return base(base(x, cos, sin, inverse), cos, sin, inverse) if not inverse else base(x, cos, sin, True)
 
     _wrap(model, "rope", rope)
-    _wrap(model, "norm_rope", lambda x, weight, eps, cos, sin: base(fused(x, weight, eps, cos, sin), cos, sin))
+    _wrap(model, "norm_rope", lambda x, weight, eps, cos, sin, ring=None:  # rotated before the fused op: the
+          fused(base(x, cos, sin), weight, eps, cos, sin, ring))  # decode's window ring gets the wrong angles too
 
 
 def fp16_softmax_stats(model) -> None:

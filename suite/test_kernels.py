@@ -154,6 +154,27 @@ def test_norm_rope(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, weig
           cdna2_tolerance, cdna2_record)
 
 
+def test_norm_rope_window_ring(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record):
+    """A decode step's K=V row into the sliding window's ring: slot pos % W of each batch row gets the row and
+    its visibility flag; every other slot and flag keeps its value."""
+    torch.manual_seed(23)
+    x = rnd(2, 1, 1, 40, dev=cdna2_device, dtype=dtype, scale=3)
+    w = (torch.rand(40, device=cdna2_device) + 0.5).to(dtype)
+    ang = torch.rand(2, 1, 8, dtype=torch.float64, device=cdna2_device) * 100
+    keys = rnd(2, 8 + 3, 40, dev=cdna2_device, dtype=dtype)  # the window, then compressed-entry slots
+    flags = torch.rand(2, 8 + 3, device=cdna2_device) < 0.3
+    before_keys, before_flags = keys.clone(), flags.clone()
+    pos = torch.tensor([13], device=cdna2_device)
+    out = ops.norm_rope(x, w, 1e-6, ang.cos(), ang.sin(), (keys[:, :8], flags[:, :8], pos))
+    ref = reference.norm_rope(f64(x), f64(w), 1e-6, ang.cos(), ang.sin())
+    check("norm_rope(ring) output", out, ref, dtype, cdna2_tolerance, cdna2_record)
+    check("norm_rope(ring) slot", keys[:, 13 % 8], ref[:, 0, 0], dtype, cdna2_tolerance, cdna2_record)
+    others = [i for i in range(8 + 3) if i != 13 % 8]
+    assert torch.equal(keys[:, others], before_keys[:, others]), "norm_rope(ring) wrote outside slot pos % W"
+    assert bool(flags[:, 13 % 8].all()), "norm_rope(ring) left the written slot invisible"
+    assert torch.equal(flags[:, others], before_flags[:, others]), "norm_rope(ring) changed other slots' flags"
+
+
 def test_swiglu(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record):
     torch.manual_seed(19)
     g, u = rnd(3, 2 * 700, dev=cdna2_device, dtype=dtype, scale=6).split(700, -1)
@@ -242,6 +263,11 @@ def test_index_scores(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B
     out = ops.index_scores(q, k, w, 24**-0.5)
     check("index_scores", out, reference.index_scores(f64(q), f64(k), f64(w), 24**-0.5), dtype, cdna2_tolerance,
           cdna2_record)
+    visible = torch.rand(B, 1, T, device=cdna2_device) < 0.5  # a decode step's closed compressed entries
+    hidden = ops.index_scores(q, k, w, 24**-0.5, visible)
+    shown = visible.expand(B, S, T)
+    assert torch.equal(hidden.isneginf(), ~shown), "index_scores(visible): hidden entries must score -inf, only they"
+    assert torch.equal(hidden[shown], out[shown]), "index_scores(visible) changed a visible entry's score"
 
 
 @pytest.mark.parametrize("T", [1, 3, 11])
