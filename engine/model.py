@@ -569,6 +569,8 @@ class Model:
         ctx = ctx or _Ctx(None, False, ())
         ctx.begin(sc.host_pos)
         pos = sc.pos
+        self.side.reset()
+        self.side2.reset()
 
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             a = self.attn[i].decode(x, sc.layers[i], pos, ctx)

@@ -16,22 +16,34 @@ same work runs inline in program order.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
 
-_SIDE: dict[int, int] = {}  # cuda_stream handle of every SideStream -> its branch number
+BRANCHES = 3  # the main branch (0) and the two side branches a decode step uses (1, 2)
+_BRANCH = contextvars.ContextVar("cdna2_branch", default=0)  # the branch whose work is being issued now
 
 
 class SideStream:
+    """One side branch: a CUDA stream of its own (None off CUDA) and its branch number (1 .. BRANCHES - 1).
+    The number, not the stream handle, keys per-branch scratch: torch.cuda.Stream() hands out streams from a
+    small per-device pool, so a handle can come back as another branch's, or as the main branch's."""
+
     def __init__(self, device: torch.device | str, branch: int = 1):
+        if not 0 < branch < BRANCHES:
+            raise ValueError(f"side stream branch {branch}: use 1 .. {BRANCHES - 1}")
         device = torch.device(device)
+        self.branch = branch
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.stream is not None:
-            _SIDE[self.stream.cuda_stream] = branch
         self.forked = False  # work issued beside since the last join (a join without one would, in a graph
         # capture, wait on work outside the capture: CUDA refuses that)
         self.held: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        """Forget an unjoined fork (an exception mid-step): the next step starts with nothing beside."""
+        self.forked = False
+        self.held.clear()
 
     @contextlib.contextmanager
     def beside(self) -> Iterator[None]:
@@ -41,8 +53,12 @@ class SideStream:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         self.forked = True
-        with torch.cuda.stream(self.stream):
-            yield
+        token = _BRANCH.set(self.branch)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            _BRANCH.reset(token)
 
     def hold(self, *tensors: torch.Tensor) -> None:
         """Keep tensors the side stream reads alive until the join: freed earlier, their memory could go to a
@@ -59,9 +75,8 @@ class SideStream:
 
 
 def stream_key(device: torch.device) -> int:
-    """Which branch work on `device` is issued to now: a side stream's branch number, else 0 (the main branch,
-    whatever stream carries it: eager, or a graph's capture stream). Device scratch shared across launches (the
-    split-sum counters, memoized per-step values) is kept per branch: branches may run at once."""
-    if device.type != "cuda":
-        return 0
-    return _SIDE.get(torch.cuda.current_stream(device).cuda_stream, 0)
+    """Which branch work on `device` is issued to now: inside a SideStream's `beside()` its branch number,
+    else 0 (the main branch, whatever stream carries it: eager, or a graph's capture stream); 0 off CUDA.
+    Device scratch shared across launches (the split-sum counters, memoized per-step values) is kept per
+    branch: branches may run at once."""
+    return _BRANCH.get() if device.type == "cuda" else 0

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from ...streams import stream_key
+from ...streams import BRANCHES, stream_key
 from .. import QWeight
 from .. import reference as _ref
 from . import kernels as _compiled
@@ -428,7 +428,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     return y.reshape(*lead, n)
 
 
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_LOCKS: dict[torch.device, torch.Tensor] = {}
 LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
 
 
@@ -439,10 +439,12 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     has its own counters."""
     if n > LOCKS:
         raise ValueError(f"a split launch with {n} tiles: more than the {LOCKS} arrival counters")
-    key = (device, stream_key(device))
-    if key not in _LOCKS:
-        _LOCKS[key] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _LOCKS[key]
+    if device not in _LOCKS:  # every branch's counters at once, so none is first made inside a graph capture
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-sum counters first needed inside a CUDA graph capture: run the step once "
+                               "eagerly before capturing it (DecodeGraph does)")
+        _LOCKS[device] = torch.zeros(BRANCHES, LOCKS, dtype=torch.int32, device=device)
+    return _LOCKS[device][stream_key(device)]
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
