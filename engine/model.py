@@ -11,6 +11,7 @@ activations (FP8 act-quant, FP4 indexer), this engine, like transformers, comput
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -199,16 +200,14 @@ class Attention:
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
         qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
-        if side is not None:  # decode: kv into the ring and the indexer's pick beside q's projection
+        if side is not None:
             side.hold(kv)  # read beside: alive until the join
-            with side.beside():
-                kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)
-            if pick is not None:
-                pick[0].hold(qr)
-                with pick[0].beside():
-                    pick[1](qr)
-        else:
+        with side.beside() if side is not None else contextlib.nullcontext():  # decode: beside q's projection
             kv = ops.norm_rope(kv.unsqueeze(2), w[p + "kv_norm.weight"], eps, cos, sin, ring).squeeze(2)  # [B, S, hd]
+        if pick is not None:
+            pick[0].hold(qr)
+            with pick[0].beside():
+                pick[1](qr)
         q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
         return q, kv, qr, cos, sin
 
@@ -274,11 +273,11 @@ class Attention:
         indexer (its compressor, then its pick once qr exists) on the second; attention waits for all three."""
         side, side2, pick = self.m.side, self.m.side2, None
         side.hold(x)
-        side2.hold(x)
         if self.ratio:
             with side.beside():
                 self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
             if self.indexer is not None:
+                side2.hold(x)
                 with side2.beside():
                     ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
 
@@ -403,7 +402,7 @@ class _Ctx:
              align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of `rope` at `pos` ([B, S] after expand; rounded down to a multiple of `align`: a decode
         step's compressed-entry position per ratio), computed once per chunk (one launch)."""
-        key = ("rope", id(rope), align, stream_key(pos.device))  # per stream: branches may run at once
+        key = ("rope", id(rope), align, stream_key(pos.device))  # per branch: branches may run at once
         return self.memo(key, lambda: rope(pos.expand(batch, tokens), align))
 
 

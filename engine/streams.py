@@ -1,8 +1,7 @@
 """Side CUDA streams for decode work that does not wait on the work beside it: the shared expert next to the
 router and routed experts; a compressed layer's compressor, and its indexer on a second side stream, next to
-its q projection. In a captured
-decode graph the two branches become parallel graph branches, so small latency-bound kernels overlap instead
-of queueing one after another (each costs ~2-5 us however few bytes it reads).
+its q projection. In a captured decode graph the branches run in parallel, so small latency-bound kernels
+overlap instead of queueing one after another (each costs ~2-5 us however few bytes it reads).
 
 Safety rests on the fork/join discipline: `beside()` first makes the side stream wait for everything issued
 so far on the current stream, `join()` makes the current stream wait for the side stream, and every `beside()`

@@ -144,8 +144,8 @@ MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
-# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0): False,
-# True, or "unsplit" (only launches not split along K).
+# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0). It wins
+# on wq_b alone and loses in the slice, also when only unsplit launches prefetch (run 25).
 FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
               "PREFETCH": False}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
@@ -182,8 +182,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
         chunk = triton_cdiv(triton_cdiv(k, split), step) * step
         split = triton_cdiv(k, chunk)
-        prefetch = c["PREFETCH"] == "unsplit" and split == 1 or c["PREFETCH"] is True
-        prefetch = prefetch and k % 4 == 0  # the prefetched tile is read as uint32 words
+        prefetch = bool(c["PREFETCH"]) and k % 4 == 0  # the prefetched tile is read as uint32 words
         if prefetch:  # W read as uint32 words: its view and row stride in the arguments
             wd = wd.view(torch.int32)
             args = (x, wd, sd, *args[3:9], wd.stride(0), *args[10:])
@@ -434,9 +433,8 @@ LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PR
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the in-kernel split sums (`_split_sum` leaves them zero again): one
-    buffer per (device, stream), made once and never freed (a captured CUDA graph keeps its address). Launches
-    in one stream run in order; launches in two streams (engine/streams.py) may run at once, so each stream
-    has its own counters."""
+    row per decode branch (engine/streams.py: branches may run at once, launches within one run in order) of one
+    buffer per device, made once and never freed (a captured CUDA graph keeps its address)."""
     if n > LOCKS:
         raise ValueError(f"a split launch with {n} tiles: more than the {LOCKS} arrival counters")
     if device not in _LOCKS:  # every branch's counters at once, so none is first made inside a graph capture
