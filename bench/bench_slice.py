@@ -211,9 +211,39 @@ def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dic
     for us, n, name in rows[:30]:
         print(f"{us:9.1f} us {n:6.0f}x  {name}")
     one = kernels[: len(kernels) // steps]  # the first step's kernels in launch order
+    timeline = _timeline(prof, len(one))
     return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": total,
             "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]],
-            "sequence": [[e.name[:40], round(e.device_time_total, 2)] for e in one]}
+            "sequence": [[e.name[:40], round(e.device_time_total, 2)] for e in one], **timeline}
+
+
+def _timeline(prof, n: int) -> dict:
+    """The first step's n kernels from the profiler's trace: [name, start us from the step's first kernel,
+    duration us, stream] in start order, and per stream the busy time and the gaps between its kernels (where
+    the step waits on launches or on another stream)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)["traceEvents"]
+    ks = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])[:n]
+    t0 = ks[0]["ts"]
+    rows = [[e["name"][:40], round(e["ts"] - t0, 2), round(e["dur"], 2), e["args"].get("stream")] for e in ks]
+    streams = {}
+    for _name, start, dur, st in rows:
+        d = streams.setdefault(str(st), {"kernels": 0, "busy_us": 0.0, "first": start, "end": start})
+        d["kernels"] += 1
+        d["busy_us"] += dur
+        d["end"] = max(d["end"], start + dur)
+    for d in streams.values():
+        d["span_us"] = d["end"] - d["first"]
+        d["gap_us"] = d["span_us"] - d["busy_us"]
+    span = max(r[1] + r[2] for r in rows)
+    print(f"timeline: one step spans {span:.0f} us; per stream: " + ", ".join(
+        f"{k}: {v['kernels']} kernels, busy {v['busy_us']:.0f} us, gaps {v['gap_us']:.0f} us" for k, v in
+        streams.items()))
+    return {"timeline": rows, "streams": streams, "step_span_us": span}
 
 
 def vs_reference(cfg: Config, weights: dict, ids: torch.Tensor, model: Model, first: torch.Tensor,

@@ -7,6 +7,7 @@ each timed in a CUDA graph over inputs rotated beyond the L2, against the copy c
   rows   skel (the stream's loads alone, an xor instead of the decode) and cur (the engine's _mxfp4_stream, x split
          per nibble slot through shared memory; run 20 also tried x handed in pre-split per slot: 0.39 at best)
   tiled  tskel / tiled: the same over tile-major weights (each step of a program one contiguous tile)
+  mma    the weights as a tensor-core dot's A operand, decoded in registers (sm_90 inline PTX, bf16 x)
   ds     tl.dot_scaled (e2m1 weights as the lhs, x as a bf16 rhs column): Triton's MX path
 
     python bench/probe_mxfp4.py --what reads,rows,tiled,ds [--out DIR]   # on the GPU machine
@@ -176,6 +177,300 @@ def ds_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.
     tl.store(y_ptr + offs_n, y, mask=r_ok)
 
 
+@triton.jit
+def _e2m1_bf16_scaled(w, s2):
+    """sm_90 (PTX): the 8 codes of a uint32 word -> 8 bf16 values times the bf16x2 scale s2, exact. Magnitudes by
+    byte lookup (prmt over the bf16 high and low bytes of 0..6), paired (code j, code j+4) so one shift puts both
+    signs; one bf16x2 multiply applies the group scale (a power of two: exact)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 m, ms, mh, h, l, p, s, th, tl;
+        mov.u32 th, %laneid;
+        shr.u32 th, th, 5;
+        or.b32 tl, th, 0xC0800000;
+        or.b32 th, th, 0x3F3F3F00;
+        and.b32 m, $8, 0x77777777;
+        prmt.b32 ms, m, 0, 0x3120;
+        shr.b32 mh, ms, 16;
+        prmt.b32 h, th, 0x40404040, ms;
+        prmt.b32 l, tl, 0xC0804000, ms;
+        prmt.b32 p, l, h, 0x6240;
+        shl.b32 s, $8, 12;
+        lop3.b32 p, p, s, 0x80008000, 0xf8;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$0, $4}, p;
+        prmt.b32 p, l, h, 0x7351;
+        shl.b32 s, $8, 8;
+        lop3.b32 p, p, s, 0x80008000, 0xf8;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$1, $5}, p;
+        prmt.b32 h, th, 0x40404040, mh;
+        prmt.b32 l, tl, 0xC0804000, mh;
+        prmt.b32 p, l, h, 0x6240;
+        shl.b32 s, $8, 4;
+        lop3.b32 p, p, s, 0x80008000, 0xf8;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$2, $6}, p;
+        prmt.b32 p, l, h, 0x7351;
+        lop3.b32 p, p, $8, 0x80008000, 0xf8;
+        mul.rn.bf16x2 p, p, $9;
+        mov.b32 {$3, $7}, p;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """Weights as the A operand of a tensor-core dot (sm_90 wgmma, A in registers): y[BN] = W[BN, K] x.
+    A step's [BN, G, 4] words decode (inline PTX) into 8 bf16 slot tensors that tl.join/permute/reshape arrange,
+    with no data movement, as k' = 32 g + 8 j + 2 i + c for word i's code j + 4c: the order in which each thread's
+    word lands in its own A fragment; x is loaded in the same order as column 0 of a [G * 32, 16] B tile."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_w
+    srow = s_ptr + offs_n.to(tl.int64)[:, None] * stride_s
+    gi = tl.arange(0, GROUPS)
+    wi = gi[:, None] * 4 + tl.arange(0, 4)[None, :]
+    col = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        w = tl.load(wrow + (g0 * 4 + wi)[None, :, :]).to(tl.uint32, bitcast=True)
+        sb = tl.load(srow + g0 + gi[None, :]).to(tl.uint32) << 7
+        q0, q1, q2, q3, q4, q5, q6, q7 = _e2m1_bf16_scaled(w, (sb | (sb << 16))[:, :, None] + tl.zeros_like(w))
+        p0 = tl.join(q0, q4)
+        p1 = tl.join(q1, q5)
+        p2 = tl.join(q2, q6)
+        p3 = tl.join(q3, q7)  # [BN, G, 4(i), 2(c)]
+        t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, i, c, b, a]: code j = 2a + b
+        a = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BLOCK_N, GROUPS * 32))
+        xv = tl.load(x_ptr + g0 * 32 + tl.arange(0, GROUPS * 32))
+        xv = tl.permute(tl.reshape(xv, (GROUPS, 4, 2, 2, 2)), (0, 3, 4, 1, 2))  # (g, i, c, a, b) -> (g, a, b, i, c)
+        xt = tl.where(col[None, :] == 0, tl.reshape(xv, (GROUPS * 32, 1)), 0.0).to(tl.bfloat16)
+        acc = tl.dot(a, xt, acc)
+    tl.store(y_ptr + offs_n, tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1))
+
+
+@triton.jit
+def _e2m1_bf16_tiny(w):
+    """sm_90 (PTX): the 8 codes of a uint32 word -> 8 bf16 values E2M1 x 2^-126, exact (the 0.5 code a bf16
+    subnormal): the code's magnitude bits shifted into the bf16 exponent/mantissa boundary, pairs (j, j + 4)
+    built by one shift of the word (16 bits apart), so 4 integer instructions make 2 values."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, p;
+        and.b32 t, $8, 0x00070007;
+        shl.b32 p, $8, 12;
+        shl.b32 t, t, 6;
+        lop3.b32 p, t, p, 0x80008000, 0xf8;
+        mov.b32 {$0, $4}, p;
+        shr.b32 t, $8, 4;
+        and.b32 t, t, 0x00070007;
+        shl.b32 p, $8, 8;
+        shl.b32 t, t, 6;
+        lop3.b32 p, t, p, 0x80008000, 0xf8;
+        mov.b32 {$1, $5}, p;
+        shr.b32 t, $8, 8;
+        and.b32 t, t, 0x00070007;
+        shl.b32 p, $8, 4;
+        shl.b32 t, t, 6;
+        lop3.b32 p, t, p, 0x80008000, 0xf8;
+        mov.b32 {$2, $6}, p;
+        shr.b32 t, $8, 12;
+        and.b32 t, t, 0x00070007;
+        shl.b32 t, t, 6;
+        lop3.b32 p, t, $8, 0x80008000, 0xf8;
+        mov.b32 {$3, $7}, p;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def mma2_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """mma_kernel with the group scales applied to the accumulator instead of the operand: B is block-diagonal
+    (column c holds group c's x, times 2^100, zero elsewhere), so one dot leaves each group's partial sum in its
+    own column and one FMA per accumulator element scales it; A is E2M1 x 2^-126 (no multiply at all)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_w
+    srow = s_ptr + offs_n.to(tl.int64)[:, None] * stride_s
+    gi = tl.arange(0, GROUPS)
+    wi = gi[:, None] * 4 + tl.arange(0, 4)[None, :]
+    col = tl.arange(0, 16)
+    kg = tl.arange(0, GROUPS * 32) // 32
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for g0 in range(0, K // 32, GROUPS):
+        w = tl.load(wrow + (g0 * 4 + wi)[None, :, :]).to(tl.uint32, bitcast=True)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _e2m1_bf16_tiny(w)
+        p0 = tl.join(q0, q4)
+        p1 = tl.join(q1, q5)
+        p2 = tl.join(q2, q6)
+        p3 = tl.join(q3, q7)  # [BN, G, 4(i), 2(c)]
+        t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, i, c, b, a]: code j = 2a + b
+        a = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BLOCK_N, GROUPS * 32))
+        xv = tl.load(x_ptr + g0 * 32 + tl.arange(0, GROUPS * 32)).to(tl.float32) * 1.2676506002282294e30  # 2^100
+        xv = tl.permute(tl.reshape(xv, (GROUPS, 4, 2, 2, 2)), (0, 3, 4, 1, 2))  # (g, i, c, a, b) -> (g, a, b, i, c)
+        xb = tl.where(col[None, :] == kg[:, None], tl.reshape(xv, (GROUPS * 32, 1)), 0.0).to(tl.bfloat16)
+        part = tl.dot(a, xb)
+        sc = tl.load(srow + g0 + col[None, :], mask=col[None, :] < GROUPS, other=0)
+        acc += part * tl.where(col[None, :] < GROUPS, _e8m0_probe(sc, 26), 0.0)
+    tl.store(y_ptr + offs_n, tl.sum(acc, axis=1))
+
+
+@triton.jit
+def _e8m0_probe(s_u8, EXTRA: tl.constexpr):
+    return ((s_u8.to(tl.int32) + EXTRA) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def abl_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+               NOSCALE: tl.constexpr, NOX: tl.constexpr, XPRE: tl.constexpr):
+    """Ablations of the engine's one-token stream (PREFETCH + PRMT, pair): NOSCALE drops the scale loads (a
+    constant scale), NOX loads x once before the loop (wrong sums: timing only), XPRE reads x pre-split in fp32
+    (each group's 32 values slot-major: element 8i + p at 4p + i), one 16 B load per slot, no layout change."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = offs_n < N
+    w1 = w_ptr + offs_n.to(tl.int64) * stride_w
+    s1 = s_ptr + offs_n.to(tl.int64) * stride_s
+    w3 = w1 + N.to(tl.int64) * stride_w
+    s3 = s1 + N * stride_s
+    n_groups = K // 32
+    acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    if XPRE:
+        x = tl.zeros((GROUPS * 32,), dtype=tl.float32)
+    else:
+        x = K_._mxfp4_stream_x(x_ptr, 0, K, GROUPS)
+    xs = K_._mxfp4_stream_xs(x, GROUPS)
+    a1 = K_._mxfp4_stream_words(w1, 0, n_groups, r_ok, GROUPS)
+    a3 = K_._mxfp4_stream_words(w3, 0, n_groups, r_ok, GROUPS)
+    if XPRE:
+        b1 = _ld_u8(s1[:, None] + tl.arange(0, GROUPS)[None, :]).to(tl.uint8)
+        b3 = _ld_u8(s3[:, None] + tl.arange(0, GROUPS)[None, :]).to(tl.uint8)
+    else:
+        b1 = K_._mxfp4_stream_scales(s1, 0, n_groups, r_ok, GROUPS)
+        b3 = K_._mxfp4_stream_scales(s3, 0, n_groups, r_ok, GROUPS)
+    for g0 in range(0, n_groups, GROUPS):
+        if not NOX and not XPRE:
+            nx = K_._mxfp4_stream_x(x_ptr, g0 + GROUPS, K, GROUPS)
+        na1 = K_._mxfp4_stream_words(w1, g0 + GROUPS, n_groups, r_ok, GROUPS)
+        na3 = K_._mxfp4_stream_words(w3, g0 + GROUPS, n_groups, r_ok, GROUPS)
+        if XPRE:
+            gg = g0 + GROUPS + tl.arange(0, GROUPS)
+            nb1 = _ld_u8(s1[:, None] + tl.minimum(gg, n_groups - 1)[None, :]).to(tl.uint8)
+            nb3 = _ld_u8(s3[:, None] + tl.minimum(gg, n_groups - 1)[None, :]).to(tl.uint8)
+        elif not NOSCALE:
+            nb1 = K_._mxfp4_stream_scales(s1, g0 + GROUPS, n_groups, r_ok, GROUPS)
+            nb3 = K_._mxfp4_stream_scales(s3, g0 + GROUPS, n_groups, r_ok, GROUPS)
+        if XPRE:  # inline-asm loads (not layout anchors): x lands in the words' layout, no shared memory
+            xo = x_ptr + (g0 + tl.arange(0, GROUPS))[:, None] * 32 + tl.arange(0, 4)[None, :]
+            xs = (_ld_f32x4(xo), _ld_f32x4(xo + 4), _ld_f32x4(xo + 8), _ld_f32x4(xo + 12), _ld_f32x4(xo + 16),
+                  _ld_f32x4(xo + 20), _ld_f32x4(xo + 24), _ld_f32x4(xo + 28))
+        elif not NOX:
+            xs = K_._mxfp4_stream_xs(x, GROUPS)
+        if NOSCALE:
+            acc1 += K_._mxfp4_stream_sum(a1, xs, True)
+            acc3 += K_._mxfp4_stream_sum(a3, xs, True)
+        else:
+            acc1 += K_._mxfp4_stream_sum(a1, xs, True) * K_._e8m0(b1, 0)
+            acc3 += K_._mxfp4_stream_sum(a3, xs, True) * K_._e8m0(b3, 0)
+            b1, b3 = nb1, nb3
+        a1, a3 = na1, na3
+        if not NOX and not XPRE:
+            x = nx
+    tl.store(y_ptr + offs_n, (tl.sum(acc1, axis=1) + tl.sum(acc3, axis=1)) * 16384.0, mask=r_ok)
+
+
+@triton.jit
+def _ld_u8(ptr):
+    """A byte load in whatever layout its consumer has (an inline-asm load is not a layout anchor, tl.load is)."""
+    return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _ld_f32x4(ptr):
+    """Four consecutive fp32 (16 B, one vector load) in the consumer's layout: pack=4 hands the asm 4 elements
+    that sit in one thread; only the first pointer is used."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l,l,l,l", [ptr],
+                                     dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def rowk_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, ROWS: tl.constexpr, R: tl.constexpr,
+                SUB: tl.constexpr, PARTS: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
+    """Rows over the loop, K over the threads: a program streams ROWS whole rows (R a step, each step R contiguous
+    rows of 2 KB) while every thread keeps its own K slice of x in registers, split by nibble slot once before
+    the loop: no per-step x traffic or layout change. The K groups are [SUB, PARTS, 32] (group = sub * PARTS * 32
+    + part * 32 + lane): the lanes reduce by shuffles, SUB in-thread, and each of the PARTS warps leaves its
+    partial in y[row, part] (summed by the consumer): no cross-warp reduction in the loop.
+    y: [N, PARTS] fp32 partials (W1 and, PAIR, W3 rows in y[:, :] and y[N:, :])."""
+    gl = (tl.arange(0, SUB)[:, None, None] * (PARTS * 32) + tl.arange(0, PARTS)[None, :, None] * 32
+          + tl.arange(0, 32)[None, None, :])  # [SUB, PARTS, 32] group index
+    kx = gl[:, :, :, None] * 32 + tl.arange(0, 4)[None, None, None, :] * 8  # element 8i of group g's word i
+    xs0 = tl.load(x_ptr + kx).to(tl.float32)
+    xs1 = tl.load(x_ptr + kx + 1).to(tl.float32)
+    xs2 = tl.load(x_ptr + kx + 2).to(tl.float32)
+    xs3 = tl.load(x_ptr + kx + 3).to(tl.float32)
+    xs4 = tl.load(x_ptr + kx + 4).to(tl.float32)
+    xs5 = tl.load(x_ptr + kx + 5).to(tl.float32)
+    xs6 = tl.load(x_ptr + kx + 6).to(tl.float32)
+    xs7 = tl.load(x_ptr + kx + 7).to(tl.float32)
+    word = gl[None, :, :, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]  # [1, SUB, PARTS, 32, 4]
+    rr = tl.arange(0, R)
+    row0 = tl.program_id(0) * ROWS
+    parts = tl.arange(0, PARTS)
+    if PREFETCH:
+        rows = (row0 + rr).to(tl.int64)
+        w1 = tl.load(w_ptr + rows[:, None, None, None, None] * stride_w + word).to(tl.uint32, bitcast=True)
+        s1 = _ld_u8(s_ptr + rows[:, None, None, None] * stride_s + gl[None])
+        if PAIR:
+            w3 = tl.load(w_ptr + (rows + N)[:, None, None, None, None] * stride_w + word).to(tl.uint32, bitcast=True)
+            s3 = _ld_u8(s_ptr + (rows + N)[:, None, None, None] * stride_s + gl[None])
+    out1 = tl.zeros((ROWS, PARTS), dtype=tl.float32)
+    out3 = tl.zeros((ROWS, PARTS), dtype=tl.float32)
+    ro = tl.arange(0, ROWS)
+    for r0 in range(0, ROWS, R):
+        rows = (row0 + r0 + rr).to(tl.int64)
+        if PREFETCH:
+            nrows = (row0 + tl.minimum(r0 + R, ROWS - R) + rr).to(tl.int64)
+            nw1 = tl.load(w_ptr + nrows[:, None, None, None, None] * stride_w + word).to(tl.uint32, bitcast=True)
+            ns1 = _ld_u8(s_ptr + nrows[:, None, None, None] * stride_s + gl[None])
+            if PAIR:
+                nw3 = tl.load(w_ptr + (nrows + N)[:, None, None, None, None] * stride_w + word).to(tl.uint32,
+                                                                                                  bitcast=True)
+                ns3 = _ld_u8(s_ptr + (nrows + N)[:, None, None, None] * stride_s + gl[None])
+        else:
+            w1 = tl.load(w_ptr + rows[:, None, None, None, None] * stride_w + word).to(tl.uint32, bitcast=True)
+            s1 = _ld_u8(s_ptr + rows[:, None, None, None] * stride_s + gl[None])
+            if PAIR:
+                w3 = tl.load(w_ptr + (rows + N)[:, None, None, None, None] * stride_w + word).to(tl.uint32,
+                                                                                                 bitcast=True)
+                s3 = _ld_u8(s_ptr + (rows + N)[:, None, None, None] * stride_s + gl[None])
+        v = K_._e2m1_word_prmt(w1)
+        part = v[0] * xs0[None] + v[1] * xs1[None] + v[2] * xs2[None] + v[3] * xs3[None]
+        part += v[4] * xs4[None] + v[5] * xs5[None] + v[6] * xs6[None] + v[7] * xs7[None]
+        y1 = tl.sum(tl.sum(tl.sum(part, axis=4) * K_._e8m0(s1, 14), axis=3), axis=1)  # [R, PARTS]
+        if R == 1:
+            out1 = tl.where(ro[:, None] == r0, y1, out1)
+        else:
+            tl.store(y_ptr + rows[:, None] * PARTS + parts[None, :], y1)
+        if PAIR:
+            v = K_._e2m1_word_prmt(w3)
+            part = v[0] * xs0[None] + v[1] * xs1[None] + v[2] * xs2[None] + v[3] * xs3[None]
+            part += v[4] * xs4[None] + v[5] * xs5[None] + v[6] * xs6[None] + v[7] * xs7[None]
+            y3 = tl.sum(tl.sum(tl.sum(part, axis=4) * K_._e8m0(s3, 14), axis=3), axis=1)
+            if R == 1:
+                out3 = tl.where(ro[:, None] == r0, y3, out3)
+            else:
+                tl.store(y_ptr + (rows + N)[:, None] * PARTS + parts[None, :], y3)
+        if PREFETCH:
+            w1, s1 = nw1, ns1
+            if PAIR:
+                w3, s3 = nw3, ns3
+    if R == 1:
+        tl.store(y_ptr + (row0 + ro)[:, None] * PARTS + parts[None, :], out1)
+        if PAIR:
+            tl.store(y_ptr + (row0 + N + ro)[:, None] * PARTS + parts[None, :], out3)
+
+
 def tile_major(w: torch.Tensor, s: torch.Tensor, bn: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K/8] words and [R, K/32] scales -> tile-major copies: [R/bn, steps, bn, g, 4] and [R/bn, steps, bn, g]."""
     r, kw = w.shape
@@ -223,6 +518,23 @@ def _launcher(name, bn, g, nw, stages, pf, prmt, n, k, pair, small):
     if name in ("tskel", "tiled"):
         return lambda w, s, x, y: tiled_kernel[grid](w, s, x, y, n, k, bn, g, pair, pf, prmt, name == "tskel",
                                                          num_warps=nw)
+    if name == "rowk":
+        rows_, r_, parts_ = bn, g, nw  # tile = (ROWS, R, warps); SUB from K
+        sub = k // 32 // (parts_ * 32)
+        return lambda w, s, x, y: rowk_kernel[(n // rows_,)](w, s, x, y, n, k, k // 8, k // 32, rows_, r_, sub,
+                                                              parts_, pair, stages == 1, num_warps=nw)
+    if name.startswith("abl"):
+        flags = ("noscale" in name, "nox" in name, "xpre" in name)
+        if "xpre" in name:  # x pre-split per group: element 8i + p at 4p + i, fp32
+            return lambda w, s, x, y: abl_kernel[grid](w, s, x.float().view(-1, 4, 8).transpose(1, 2).contiguous(),
+                                                       y, n, k, k // 8, k // 32, bn, g, *flags, num_warps=nw)
+        return lambda w, s, x, y: abl_kernel[grid](w, s, x, y, n, k, k // 8, k // 32, bn, g, *flags, num_warps=nw)
+    if name == "mma2":
+        return lambda w, s, x, y: mma2_kernel[grid](w, s, x, y, n, k, k // 8, k // 32, bn, g, num_warps=nw,
+                                                        num_stages=stages)
+    if name == "mma":
+        return lambda w, s, x, y: mma_kernel[grid](w, s, x, y, n, k, k // 8, k // 32, bn, g, num_warps=nw,
+                                                       num_stages=stages)
     if name == "skel":
         return lambda w, s, x, y: skel_kernel[grid](w, s, y, n, k, k // 8, k // 32, bn, g, pair, num_warps=nw)
     return lambda w, s, x, y: cur_kernel[grid](w, s, x, y, n, k, k // 8, k // 32, bn, g, pair, pf, prmt,
@@ -255,6 +567,22 @@ def main() -> None:
         variants += [("ds", False, False)]
         tiles = [(bn, bk, nw, st) for bn, nw in ((16, 1), (32, 2), (64, 4), (128, 4), (32, 1), (64, 2))
                  for bk in (256, 512) for st in (3, 4)]
+    if "wide" in what:
+        variants += [("cur", True, True), ("abl_nox", True, True), ("abl_xpre", True, True)]
+        tiles = [(4, 32, 2), (2, 32, 1), (4, 32, 1), (2, 32, 2), (8, 16, 2), (4, 16, 1), (4, 64, 4), (2, 64, 2),
+                 (8, 32, 4), (16, 8, 4)]
+    if "rowk" in what:
+        variants += [("rowk", True, False), ("rowk", False, False)]
+        tiles = [(rows_, r_, nw) for rows_, r_, nw in ((16, 1, 2), (32, 1, 2), (16, 2, 2), (32, 2, 2), (64, 2, 2),
+                                                      (16, 1, 4), (32, 2, 4), (8, 1, 2), (64, 4, 2))]
+    if "abl" in what:
+        variants += [("cur", True, True), ("abl", True, True), ("abl_noscale", True, True), ("abl_nox", True, True),
+                     ("abl_noscale_nox", True, True), ("skel", False, False)]
+        tiles = [(8, 16, 2), (16, 8, 4), (32, 8, 4), (64, 8, 8)]
+    if "mma" in what:
+        variants += [("mma", False, False), ("mma2", False, False), ("cur", True, True)]
+        tiles = [(bn, g, nw, 3) for bn, g, nw in ((64, 2, 4), (64, 4, 4), (128, 2, 4), (128, 4, 4), (128, 2, 8),
+                                                  (64, 8, 4))] + [(8, 16, 2), (16, 8, 4)]
     if a.small:
         shapes = [("gate_up", 64, 256, True), ("down", 64, 128, False)]
         tiles = [(16, 2, 4), (32, 128, 2, 2)]  # (BLOCK_N, GROUPS, warps) for the streams, + stages for ds
@@ -269,21 +597,35 @@ def main() -> None:
         nbytes = rows * k // 2 + rows * k // 32
         n = rows // 2 if pair else rows
         want = reference(data[0][0].view(torch.uint8), data[0][1], data[0][2], pair)
+        want_all = reference(data[0][0].view(torch.uint8), data[0][1], data[0][2], False)
         for (bn, g, nw, *st), (name, pf, prmt) in itertools.product(tiles, variants):
-            if (name == "ds") != bool(st):
-                continue  # ds tiles carry num_stages; the streams' do not
+            if name == "rowk" and k // 32 < nw * 32:
+                continue  # fewer groups than lanes x warps
+            if (name in ("ds", "mma", "mma2")) != bool(st):
+                continue  # ds and mma tiles carry num_stages; the streams' do not
             cfg = {"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "PREFETCH": pf, "PRMT": prmt}
+            if name in ("mma", "mma2"):
+                cfg = {"BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st[0]}
             if name == "ds":
                 cfg = {"BLOCK_N": bn, "BLOCK_K": g, "num_warps": nw, "num_stages": st[0]}
-            launch = _launcher(name, bn, g, nw, st[0] if st else 1, pf, prmt, n, k, pair, a.small)
+            n_out = rows if name.startswith("mma") else n  # mma: every row (w1 and w3 rows alike), not the pair sums
+            launch = _launcher(name, bn, g, nw, st[0] if st else (1 if pf else 0), pf, prmt, n_out, k, pair,
+                               a.small)
             if name in ("tskel", "tiled"):
                 inputs = [(*tile_major(d[0], d[1], bn, g), d[2]) for d in data]
             else:
                 inputs = data
-            y = torch.full((n,), float("nan"), device=dev)
+            y = torch.full((n_out,), float("nan"), device=dev)
+            if name == "rowk":  # [rows, warps] partials of every row (pair: w1 rows then w3 rows)
+                y = torch.full((rows * nw,), float("nan"), device=dev)
             launch(*inputs[0], y)
-            err = None if "skel" in name else ((y.double() - want).norm() / want.norm()).item()
-            ms = B.time_graph_ms(launch, [(*d, torch.empty(n, device=dev)) for d in inputs])
+            if name == "rowk":
+                y = y.view(rows, nw).sum(1)
+                y = y[: rows // 2] + y[rows // 2:] if pair else y
+            ref_y = want_all if name.startswith("mma") else want
+            err = None if "skel" in name or "no" in name else ((y.double() - ref_y).norm() / ref_y.norm()).item()
+            n_y = rows * nw if name == "rowk" else n_out
+            ms = B.time_graph_ms(launch, [(*d, torch.empty(n_y, device=dev)) for d in inputs])
             frac = nbytes / (ms * 1e-3) / 1e12 / copy if copy else 0.0
             out["runs"].append({"shape": shape, "kernel": name, "cfg": cfg, "us": ms * 1e3, "frac": frac,
                                 "rel_err": err})

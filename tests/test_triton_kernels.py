@@ -58,13 +58,15 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
 # M = B*S rows: 1 takes the stream kernel (split along K here), 3 and 2*11 = 22 the dot kernel. hw: the stream
 # kernel's E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
 # prefetch: the register double-buffered stream (W as uint32 words; K = 298 is not a multiple of 4 and falls back;
-# its hardware conversion is inline PTX, so the interpreter runs the bit decode there).
+# its hardware conversion is inline PTX, so the interpreter runs the bit decode there). long: K counts as long
+# (FP8_STREAM_LONG's narrow row tiles, 4 x 128 in the interpreter).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,hw,unroll,prefetch,k", [
-    (1, 1, False, 1, False, 300), (1, 1, True, 2, False, 300), (1, 1, False, 1, True, 300),
-    (1, 1, False, 2, True, 300), (1, 1, False, 1, True, 298), (1, 3, False, 1, False, 300),
-    (2, 11, False, 1, False, 300)])
-def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, monkeypatch):
+@pytest.mark.parametrize("b,s,hw,unroll,prefetch,k,long", [
+    (1, 1, False, 1, False, 300, False), (1, 1, True, 2, False, 300, False), (1, 1, False, 1, True, 300, False),
+    (1, 1, False, 2, True, 300, False), (1, 1, False, 1, True, 298, False), (1, 3, False, 1, False, 300, False),
+    (2, 11, False, 1, False, 300, False), (1, 1, False, 1, False, 300, True), (1, 1, True, 1, False, 300, True)])
+def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
+    monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 256 if long else 1 << 30)
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "UNROLL", unroll)
     monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
@@ -78,10 +80,13 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,hw,prefetch", [(1, 1, False, False), (2, 1, True, False), (2, 1, False, True),
-                                             (2, 5, False, False)])
-def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, monkeypatch):
-    """M = 1 and 2 take the stream kernel with per-row scales (72-row groups straddle the 128-row blocks)."""
+@pytest.mark.parametrize("b,s,hw,prefetch,long", [(1, 1, False, False, False), (2, 1, True, False, False),
+                                                  (2, 1, False, True, False), (2, 5, False, False, False),
+                                                  (1, 1, False, False, True)])
+def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, long, monkeypatch):
+    """M = 1 and 2 take the stream kernel with per-row scales (72-row groups straddle the 128-row blocks); long:
+    FP8_STREAM_LONG's narrow row tiles (the grouped wo_a has K = 4096 on V4-Flash)."""
+    monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 128 if long else 1 << 30)
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
     g = gen(200 + 10 * b + s)

@@ -148,11 +148,18 @@ FP8_STREAM_MAX_M = 1
 # on wq_b alone and loses in the slice, also when only unsplit launches prefetch (run 25).
 FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
               "PREFETCH": False}
+# Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
+# the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
+# expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
+# -> 15.5). The CPU interpreter's tile of the same shape class is 4 x 128.
+FP8_STREAM_LONG = {"min_k": 2048, "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
 # PREFETCH: register double buffering of the next K step (None: on for CUDA, where it won on the H200, runs 15-16;
 # off for gfx90a, whose prefetching loop compiles 1.2-2.4x longer); PRMT: the inline-PTX E2M1 decode (CUDA only:
 # ignored on ROCm and in the CPU interpreter). K splits of the one-token streams lost (run 16) and were removed.
-MOE_STREAM = {"on": True, "BLOCK_N": 8, "GROUPS": 16, "num_warps": 2, "num_stages": 2,  # H200 runs 8-16, 25
+# The gate/up tile reads 512 B of each row a step (4 rows x 32 groups, 2 warps): 0.39 -> 0.45 of copy alone
+# (bench/probe_mxfp4.py runs 32-33; the slice the same within noise).
+MOE_STREAM = {"on": True, "BLOCK_N": 4, "GROUPS": 32, "num_warps": 2, "num_stages": 2,  # H200 runs 8-16, 25, 32
               "PREFETCH": None, "PRMT": True}
 MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down stream's own tile (K 2048): run 25
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
@@ -169,7 +176,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
-        c = dict(FP8_STREAM, BLOCK_N=16, BLOCK_K=64) if launch.cpu else FP8_STREAM
+        long = k >= FP8_STREAM_LONG["min_k"]
+        c = dict(FP8_STREAM, **{key: v for key, v in FP8_STREAM_LONG.items() if key != "min_k"}) if long \
+            else dict(FP8_STREAM)
+        if launch.cpu:
+            c.update({"BLOCK_N": 4, "BLOCK_K": 128} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
