@@ -7,13 +7,17 @@ each timed in a CUDA graph over inputs rotated beyond the L2, against the copy c
   rows   skel (the stream's loads alone, an xor instead of the decode) and cur (the engine's _mxfp4_stream, x split
          per nibble slot through shared memory; run 20 also tried x handed in pre-split per slot: 0.39 at best)
   tiled  tskel / tiled: the same over tile-major weights (each step of a program one contiguous tile)
-  mma    the weights as a tensor-core dot's A operand, decoded in registers (sm_90 inline PTX, bf16 x)
   ds     tl.dot_scaled (e2m1 weights as the lhs, x as a bf16 rhs column): Triton's MX path
+  mma    mma / mma2: the weights as the A operand of a tensor-core dot, decoded in registers (sm_90 inline PTX)
+  abl    ablations of cur: no per-step x, no scale loads, both (timing only)
+  rowk   rows over the loop, K over the threads, x in registers for the whole launch
+  wide   cur, its no-x ablation and x pre-split read by inline-asm loads, at tiles that read 512 B-2 KB of a row a
+         step; with `rows` variants: the skeleton's dependence on the run per row
 
     python bench/probe_mxfp4.py --what reads,rows,tiled,ds [--out DIR]   # on the GPU machine
-    TRITON_INTERPRET=1 python bench/probe_mxfp4.py --small --what rows   # CPU smoke test
+    TRITON_INTERPRET=1 python bench/probe_mxfp4.py --small --what rows   # CPU smoke test (rows, tiled only)
 
-Results of 2026-11-30 (H200): bench/results/probe_mxfp4_run2{0,1,2}.json and bench/NOTES.md runs 20-22.
+Results of 2026-11-30 (H200): bench/results/probe_mxfp4_run{20,21,22,29,30,31,32,33}.json, bench/NOTES.md runs 20-38.
 """
 
 from __future__ import annotations
