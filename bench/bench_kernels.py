@@ -354,7 +354,8 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     xo = [torch.randn(1, O_GROUPS, kg, device=DEV, dtype=ACT, generator=GEN) for _ in range(4)]
     ms = time_graph_ms(lambda x, w: tri.grouped_linear(x, w, O_GROUPS), list(zip(xo, wos, strict=True)))
     if sweep:  # wo_a under each stream tile (rows = 8 x 1024, K = 4096) and the old dot path
-        best_cfg = dict(best[1])
+        best_cfg = {"FP8_STREAM_LONG": dict(tri.FP8_STREAM_LONG)}  # what the launch above used (K >= min_k)
+        long_k, tri.FP8_STREAM_LONG["min_k"] = tri.FP8_STREAM_LONG["min_k"], 1 << 62  # FP8_STREAM's tiles as given
         for cfg in [c for c in configs if c.get("stream")] + [dot0]:
             apply(cfg)
             try:
@@ -365,7 +366,8 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
             print(f"fp8 wo_a grouped M=1 cfg={cfg} {t2*1e3:8.1f} us", flush=True)
             if t2 < ms:
                 ms, best_cfg = t2, cfg
-        results["fp8_wo_a_best_cfg"] = best_cfg
+        results["fp8_wo_a_best_cfg"] = best_cfg  # row tiles below 16 x ... are narrowed by the launch (MIN_PROGRAMS)
+        tri.FP8_STREAM_LONG["min_k"] = long_k
         apply(dot0)
         for mp in (0, 528):
             saved, tri.MIN_PROGRAMS = tri.MIN_PROGRAMS, mp

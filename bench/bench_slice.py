@@ -211,26 +211,29 @@ def profile_decode(graph: DecodeGraph, tok: torch.Tensor, steps: int = 2) -> dic
     for us, n, name in rows[:30]:
         print(f"{us:9.1f} us {n:6.0f}x  {name}")
     one = kernels[: len(kernels) // steps]  # the first step's kernels in launch order
-    timeline = _timeline(prof, len(one))
     return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": total,
             "top": [{"us": us, "calls": n, "name": name} for us, n, name in rows[:30]],
-            "sequence": [[e.name[:40], round(e.device_time_total, 2)] for e in one], **timeline}
+            "sequence": [[e.name[:40], round(e.device_time_total, 2)] for e in one], **_timeline(prof, steps)}
 
 
-def _timeline(prof, n: int) -> dict:
-    """The first step's n kernels from the profiler's trace: [name, start us from the step's first kernel,
-    duration us, stream] in start order, and per stream the busy time and the gaps between its kernels (where
-    the step waits on launches or on another stream)."""
+def _timeline(prof, steps: int) -> dict:
+    """The first of `steps` replayed steps from the profiler's trace: [name, start us from the step's first
+    kernel, duration us, stream] per kernel, copy and memset in start order, and per stream its busy time and the
+    gaps between its kernels. The graph spreads its branches over several streams of its own, so a stream's gap is
+    time it had nothing ready: waiting on a join, or on nothing."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             trace = json.load(g)["traceEvents"]
-    ks = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])[:n]
-    t0 = ks[0]["ts"]
-    rows = [[e["name"][:40], round(e["ts"] - t0, 2), round(e["dur"], 2), e["args"].get("stream")] for e in ks]
-    streams = {}
+    ev = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    ev = ev[: len(ev) // steps]
+    if not ev:
+        return {}
+    t0 = ev[0]["ts"]
+    rows = [[e["name"][:40], round(e["ts"] - t0, 2), round(e["dur"], 2), e["args"].get("stream")] for e in ev]
+    streams: dict[str, dict] = {}
     for _name, start, dur, st in rows:
         d = streams.setdefault(str(st), {"kernels": 0, "busy_us": 0.0, "first": start, "end": start})
         d["kernels"] += 1

@@ -1,6 +1,7 @@
 """One-token FP8 stream tiles at every FP8 weight shape of a V4-Flash decode step (the slice's 26 FP8 launches a
 token come in these 7 shapes), each timed in a CUDA graph over weights rotated beyond the 60 MB L2, against the
-copy bandwidth measured in the same run. The MXFP4 probes (probe_mxfp4.py, runs 30-32) found that a one-token
+copy bandwidth measured in the same run (FP8_STREAM_LONG off, so each tile runs as listed; `rows_launched` is
+the row tile after the launch's narrowing). The MXFP4 probes (probe_mxfp4.py, runs 30-32) found that a one-token
 stream reads faster the longer each row's contiguous run per step is (a loads-only skeleton: 0.55 of copy at 256 B
 per row per step, 0.80 at a whole 2 KB row), so the FP8 tiles here go up to BLOCK_K = 1024 (a whole wq_b row).
 
@@ -27,14 +28,23 @@ TILES = [(64, 256, 8, False), (64, 256, 8, True), (8, 1024, 4, False), (16, 1024
          (16, 512, 4, False), (8, 512, 2, False), (32, 512, 8, False), (8, 1024, 4, True), (16, 512, 4, True)]
 
 
+def launched(bn: int, r: int, g: int) -> int:
+    """The row tile the launch uses: _fp8_grouped halves BLOCK_N (down to 16) while the grid has fewer than
+    MIN_PROGRAMS programs (run 35's "64 x 256" ran as 16 x 256 on every shape but wq_b)."""
+    while bn > 16 and -(-r // bn) * g < B.tri.MIN_PROGRAMS:
+        bn //= 2
+    return bn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     tri = B.tri
     copy = B.copy_tbps()
-    saved, saved_m = dict(tri.FP8_STREAM), tri.FP8_STREAM_MAX_M
+    saved, saved_m, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_MAX_M, tri.FP8_STREAM_LONG["min_k"]
     tri.FP8_STREAM_MAX_M = 1
+    tri.FP8_STREAM_LONG["min_k"] = 1 << 62  # each tile below as given (FP8_STREAM_LONG would replace it at K >= 2048)
     runs = []
     for name, k, r, g in SHAPES:
         n = r * g
@@ -55,12 +65,13 @@ def main() -> None:
             err = ((y - ref).norm() / ref.norm()).item()
             ms = B.time_graph_ms(fn, list(zip(xs, ws, strict=True)))
             frac = nbytes / (ms * 1e-3) / 1e12 / copy
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "PREFETCH": pf}
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "PREFETCH": pf, "rows_launched": launched(bn, r, g)}
             runs.append({"shape": name, "cfg": cfg, "us": ms * 1e3, "frac": frac, "rel_err": err})
             print(f"{name:13s} {cfg}  {ms * 1e3:7.2f} us  {frac:.3f} of copy  err {err:.1e}", flush=True)
     tri.FP8_STREAM.clear()
     tri.FP8_STREAM.update(saved)
     tri.FP8_STREAM_MAX_M = saved_m
+    tri.FP8_STREAM_LONG["min_k"] = saved_long
     with open(os.path.join(a.out, "probe_fp8.json"), "w") as f:
         json.dump({"copy_TBps": copy, "runs": runs}, f, indent=1)
 

@@ -74,7 +74,7 @@ def test_compile_error_is_a_violation():
     assert not a.compiled and a.violations()[0].startswith("does not compile")
 
 
-@pytest.mark.parametrize("name", ["fp8_stream_hw", "fp8_stream_hw_prefetch"])
+@pytest.mark.parametrize("name", ["fp8_stream_hw", "fp8_stream_hw_prefetch", "fp8_stream_hw_long"])
 def test_sm90_fp8_stream_uses_hardware_conversion(name):
     """The HW variants of the FP8 stream convert E4M3 with cvt.rn.f16x2.e4m3x2 (no bit decode)."""
     import triton

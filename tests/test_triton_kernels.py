@@ -59,19 +59,21 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
 # kernel's E4M3 decode by fp8 conversion (the hardware path on sm_90; the interpreter emulates it) or by bit ops.
 # prefetch: the register double-buffered stream (W as uint32 words; K = 298 is not a multiple of 4 and falls back;
 # its hardware conversion is inline PTX, so the interpreter runs the bit decode there). long: K counts as long
-# (FP8_STREAM_LONG's narrow row tiles, 4 x 128 in the interpreter).
+# (FP8_STREAM_LONG's narrow row tiles, 4 x 256 in the interpreter: K = 600 is a split of 512 columns, 5 scale
+# blocks wide, and one of 88; 202 rows leave the last tile ragged).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,hw,unroll,prefetch,k,long", [
     (1, 1, False, 1, False, 300, False), (1, 1, True, 2, False, 300, False), (1, 1, False, 1, True, 300, False),
     (1, 1, False, 2, True, 300, False), (1, 1, False, 1, True, 298, False), (1, 3, False, 1, False, 300, False),
-    (2, 11, False, 1, False, 300, False), (1, 1, False, 1, False, 300, True), (1, 1, True, 1, False, 300, True)])
+    (2, 11, False, 1, False, 300, False), (1, 1, False, 1, False, 600, True), (1, 1, True, 1, False, 600, True),
+    (1, 1, False, 1, True, 600, True)])
 def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
-    monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 256 if long else 1 << 30)
+    monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 512 if long else 1 << 30)
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "UNROLL", unroll)
     monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
     g = gen(100 + 10 * b + s)
-    w = fp8_weight(200, k, g)
+    w = fp8_weight(202 if long else 200, k, g)
     x = torch.randn(b, s, k, generator=g).to(dtype)
     assert rel(tri.linear(x, w), ref.linear(x.double(), w)) <= TOL[dtype]
     assert not tri._locks(x.device, 0).any()  # a split-K launch (K 300 at the CPU's 64-wide steps) reset them
@@ -90,8 +92,9 @@ def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, long, monkeypatch):
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "PREFETCH", prefetch)
     g = gen(200 + 10 * b + s)
-    w = fp8_weight(4 * 72, 136, g)  # 4 groups of 72 rows: row blocks of 128 straddle the groups
-    x = torch.randn(b, s, 4, 136, generator=g).to(dtype)
+    rows, k = (74, 300) if long else (72, 136)  # long: 4-row tiles end ragged in each group, K splits
+    w = fp8_weight(4 * rows, k, g)  # 4 groups: row blocks of 128 straddle the groups
+    x = torch.randn(b, s, 4, k, generator=g).to(dtype)
     y = tri.grouped_linear(x, w, 4)
     assert rel(y, ref.grouped_linear(x.double(), w, 4)) <= TOL[dtype]
     assert torch.equal(tri.grouped_linear(x, w, 4), y)  # deterministic, and the split sums' counters were reset

@@ -8,7 +8,7 @@ Printed per case: loop instructions per weight value (per thread), the global lo
 and the FMAs sit in the loop body (0 = its first instruction, 1 = the branch) and how many FMAs come before the
 last load: with PREFETCH the next step's loads should all precede the current step's FMAs (0 before).
 
-    python tools/sass_loop.py                          # the launch defaults (MOE_STREAM, FP8_STREAM tiles)
+    python tools/sass_loop.py                          # the launch defaults (MOE_STREAM(_DOWN), FP8_STREAM)
     python tools/sass_loop.py PREFETCH=True PRMT=True  # constexpr (or num_warps) overrides where the kernel has
     python tools/sass_loop.py --dump /tmp/sass         # them (PRMT is sm_90 only); --dump writes each loop body
 """
@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cdna2_engine.ops.triton import FP8_STREAM, MOE_STREAM
+from cdna2_engine.ops.triton import FP8_STREAM, MOE_STREAM, MOE_STREAM_DOWN
 from cdna2_engine.ops.triton import kernels as K
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx90a": GPUTarget("hip", "gfx90a", 64)}
@@ -46,10 +46,11 @@ _FP8_INTS = dict(M=1, R=32768, K=1024, stride_xm=1024, stride_xg=1024, stride_wn
 def cases() -> dict[str, tuple]:
     """name -> (ISA spec name, runtime ints, constexprs beyond the spec's, num_warps, weight matrices per step)."""
     moe = {k: MOE_STREAM[k] for k in ("BLOCK_N", "GROUPS", "PREFETCH", "PRMT")}
+    down = {**moe, **{k: MOE_STREAM_DOWN[k] for k in ("BLOCK_N", "GROUPS")}}
     fp8 = {k: FP8_STREAM[k] for k in ("BLOCK_N", "BLOCK_K", "UNROLL", "PREFETCH")}
     return {
         "moe_gate_up": ("moe_gate_up_stream", _MOE_UP_INTS, moe, MOE_STREAM["num_warps"], 2),
-        "moe_down": ("moe_down_stream", _MOE_DOWN_INTS, moe, MOE_STREAM["num_warps"], 1),
+        "moe_down": ("moe_down_stream", _MOE_DOWN_INTS, down, MOE_STREAM_DOWN["num_warps"], 1),
         "fp8_stream": ("fp8_stream", _FP8_INTS, {**fp8, "UNIFORM": True, "SPLIT": 1}, FP8_STREAM["num_warps"], 1),
     }
 
@@ -145,6 +146,8 @@ def main() -> None:
         for tname, target in TARGETS.items():
             cuda = target.backend == "cuda"
             c, s, i = dict(const, PRMT=const.get("PRMT", False) and cuda), spec, ints  # inline PTX: sm_90 only
+            if "PREFETCH" in c and c["PREFETCH"] is None:
+                c["PREFETCH"] = cuda  # the launch's default: on for CUDA, off for gfx90a
             if name == "fp8_stream":
                 c["HW"] = cuda  # the E4M3 hardware conversion on sm_90, the bit decode on gfx90a
                 if c.get("PREFETCH"):  # W as uint32 words

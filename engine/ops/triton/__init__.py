@@ -151,7 +151,9 @@ FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": 
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
 # the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
 # expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
-# -> 15.5). The CPU interpreter's tile of the same shape class is 4 x 128.
+# -> 15.5). The numbers before are the default launch, whose 64-row tiles the two-programs-per-SM rule below
+# narrows to 16 on every shape but wq_b. Its other keys (UNROLL, PREFETCH, HW) come from FP8_STREAM. The CPU
+# interpreter's tile of the same shape class is 4 x 256.
 FP8_STREAM_LONG = {"min_k": 2048, "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
 # PREFETCH: register double buffering of the next K step (None: on for CUDA, where it won on the H200, runs 15-16;
@@ -180,11 +182,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         c = dict(FP8_STREAM, **{key: v for key, v in FP8_STREAM_LONG.items() if key != "min_k"}) if long \
             else dict(FP8_STREAM)
         if launch.cpu:
-            c.update({"BLOCK_N": 4, "BLOCK_K": 128} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
+            c.update({"BLOCK_N": 4, "BLOCK_K": 256} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
-            bn //= 2  # the grouped wo_a (8 x 1024 rows): narrower tiles keep two programs per SM
+            bn //= 2  # narrow weights (e.g. the shared expert's 4096 rows): two programs per SM
         uniform = 128 % bn == 0 and (g == 1 or r % 128 == 0)  # a row tile never straddles a scale block
         step = bk * c["UNROLL"]
         programs = triton_cdiv(r, bn) * m * g
