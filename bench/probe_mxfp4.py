@@ -224,6 +224,18 @@ def _e2m1_bf16_scaled(w, s2):
 
 
 @triton.jit
+def _a_tile(q0, q1, q2, q3, q4, q5, q6, q7, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """The 8 decoded code slots [BN, G, 4] of a step -> the A tile [BN, G * 32] in the order k' = 32 g + 8 j + 2 i +
+    c (word i's code j + 4c): joins and a permute within each thread, landing in the A fragment layout."""
+    p0 = tl.join(q0, q4)
+    p1 = tl.join(q1, q5)
+    p2 = tl.join(q2, q6)
+    p3 = tl.join(q3, q7)  # [BN, G, 4(i), 2(c)]
+    t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, i, c, b, a]: code j = 2a + b
+    return tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BLOCK_N, GROUPS * 32))
+
+
+@triton.jit
 def mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
     """Weights as the A operand of a tensor-core dot (sm_90 wgmma, A in registers): y[BN] = W[BN, K] x.
     A step's [BN, G, 4] words decode (inline PTX) into 8 bf16 slot tensors that tl.join/permute/reshape arrange,
@@ -240,12 +252,7 @@ def mma_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl
         w = tl.load(wrow + (g0 * 4 + wi)[None, :, :]).to(tl.uint32, bitcast=True)
         sb = tl.load(srow + g0 + gi[None, :]).to(tl.uint32) << 7
         q0, q1, q2, q3, q4, q5, q6, q7 = _e2m1_bf16_scaled(w, (sb | (sb << 16))[:, :, None] + tl.zeros_like(w))
-        p0 = tl.join(q0, q4)
-        p1 = tl.join(q1, q5)
-        p2 = tl.join(q2, q6)
-        p3 = tl.join(q3, q7)  # [BN, G, 4(i), 2(c)]
-        t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, i, c, b, a]: code j = 2a + b
-        a = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BLOCK_N, GROUPS * 32))
+        a = _a_tile(q0, q1, q2, q3, q4, q5, q6, q7, BLOCK_N, GROUPS)
         xv = tl.load(x_ptr + g0 * 32 + tl.arange(0, GROUPS * 32))
         xv = tl.permute(tl.reshape(xv, (GROUPS, 4, 2, 2, 2)), (0, 3, 4, 1, 2))  # (g, i, c, a, b) -> (g, a, b, i, c)
         xt = tl.where(col[None, :] == 0, tl.reshape(xv, (GROUPS * 32, 1)), 0.0).to(tl.bfloat16)
@@ -303,12 +310,7 @@ def mma2_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: t
     for g0 in range(0, K // 32, GROUPS):
         w = tl.load(wrow + (g0 * 4 + wi)[None, :, :]).to(tl.uint32, bitcast=True)
         q0, q1, q2, q3, q4, q5, q6, q7 = _e2m1_bf16_tiny(w)
-        p0 = tl.join(q0, q4)
-        p1 = tl.join(q1, q5)
-        p2 = tl.join(q2, q6)
-        p3 = tl.join(q3, q7)  # [BN, G, 4(i), 2(c)]
-        t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, i, c, b, a]: code j = 2a + b
-        a = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BLOCK_N, GROUPS * 32))
+        a = _a_tile(q0, q1, q2, q3, q4, q5, q6, q7, BLOCK_N, GROUPS)
         xv = tl.load(x_ptr + g0 * 32 + tl.arange(0, GROUPS * 32)).to(tl.float32) * 1.2676506002282294e30  # 2^100
         xv = tl.permute(tl.reshape(xv, (GROUPS, 4, 2, 2, 2)), (0, 3, 4, 1, 2))  # (g, i, c, a, b) -> (g, a, b, i, c)
         xb = tl.where(col[None, :] == kg[:, None], tl.reshape(xv, (GROUPS * 32, 1)), 0.0).to(tl.bfloat16)
