@@ -179,8 +179,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             y.stride(0), y.stride(1))
     if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         long = k >= FP8_STREAM_LONG["min_k"]
-        c = dict(FP8_STREAM, **{key: v for key, v in FP8_STREAM_LONG.items() if key != "min_k"}) if long \
-            else dict(FP8_STREAM)
+        c = {**FP8_STREAM, **(FP8_STREAM_LONG if long else {})}  # (min_k rides along unread)
         if launch.cpu:
             c.update({"BLOCK_N": 4, "BLOCK_K": 256} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
