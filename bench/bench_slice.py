@@ -175,7 +175,8 @@ def main() -> None:
 
 def apply_overrides(items: list[str]) -> dict:
     """TABLE.KEY=VALUE (a Python literal) into cdna2_engine.ops.triton's launch tables (FP8_STREAM, MOE_STREAM,
-    ...), for trying a variant without editing the defaults; returns what was set."""
+    ...), or NAME=VALUE into one of its integer settings (ATTN_CHUNK, ...), for trying a variant without editing
+    the defaults; returns what was set."""
     import ast
 
     from cdna2_engine.ops import triton as tri
@@ -185,9 +186,14 @@ def apply_overrides(items: list[str]) -> dict:
         name, _, value = item.partition("=")
         table, _, key = name.partition(".")
         target = getattr(tri, table, None)
+        if not key and isinstance(target, int) and not isinstance(target, bool) and value:  # a scalar setting
+            setattr(tri, table, ast.literal_eval(value))
+            done[name] = getattr(tri, table)
+            continue
         if not isinstance(target, dict) or key not in target or not value:
             raise SystemExit(f"--set {item!r}: use TABLE.KEY=VALUE with an existing key of a dict in "
-                             f"cdna2_engine.ops.triton (e.g. MOE_STREAM.PREFETCH=True)")
+                             f"cdna2_engine.ops.triton (e.g. MOE_STREAM.PREFETCH=True), or NAME=VALUE for one of "
+                             f"its integer settings (e.g. ATTN_CHUNK=1024)")
         target[key] = done[name] = ast.literal_eval(value)
     return done
 
@@ -229,6 +235,8 @@ def _timeline(prof, steps: int) -> dict:
             trace = json.load(g)["traceEvents"]
     ev = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     ev = ev[: len(ev) // steps]
+    while ev and ev[0].get("cat") == "gpu_memcpy":  # the token's copy, issued before the replay (the host's
+        ev = ev[1:]  # launch of the graph can come ms later under the profiler): the step starts at the graph
     if not ev:
         return {}
     t0 = ev[0]["ts"]

@@ -219,11 +219,15 @@ class Attention:
         o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
         return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
 
-    def _picked(self, x, qr, keys, pos, visible, ctx, out=None) -> torch.Tensor:
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The indexer's per-head weights w_h [B, S, heads] (fp32): they read x, not qr."""
+        return self.m.ops.linear(x, self.w[self.p + "indexer.weights_proj.weight"], _acc(x.dtype))
+
+    def _picked(self, x, qr, keys, pos, visible, ctx, out=None, hw=None) -> torch.Tensor:
         """CSA's mask [B, S, T] over the compressed entries: visible ([S, T] or [B, 1, T]) and picked by the
         lightning indexer, the top-k of the compressed `keys` [B, T, Di] per query by sum_h w_h relu(q_h . k)
-        (written into `out` when given). Forced picks (-1: none) replace the engine's own, which are still
-        recorded when recording."""
+        (written into `out` when given; `hw`: `_head_weights(x)` when already issued). Forced picks (-1: none)
+        replace the engine's own, which are still recorded when recording."""
         m, cfg, w, p, ops = self.m, self.m.cfg, self.w, self.p + "indexer.", self.m.ops
         B, S, _ = x.shape
         T = keys.shape[1]
@@ -233,7 +237,7 @@ class Attention:
             cos, sin = ctx.rope(m.rope_c, pos, B, S)
             q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
             q = ops.rope(q, cos, sin)
-            hw = ops.linear(x, w[p + "weights_proj.weight"], _acc(x.dtype))
+            hw = self._head_weights(x) if hw is None else hw
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
             scores = ops.index_scores(q, keys, hw, scale, visible)  # [B, S, T], -inf where not visible
             if ctx.recording:  # picks of hidden entries recorded as -1
@@ -270,7 +274,8 @@ class Attention:
     def decode(self, x: torch.Tensor, sl: StaticLayer, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """One token at device position `pos` [1] over a `StaticLayer`: fixed shapes, no host sync. Beside q's
         projection: a compressed layer's compressor and kv's norm into the window ring on the side stream, the
-        indexer (its compressor, then its pick once qr exists) on the second; attention waits for all three."""
+        indexer (its compressor, then its pick once qr exists) on the second, its head weights on this one;
+        attention waits for all three."""
         side, side2, pick = self.m.side, self.m.side2, None
         side.hold(x)
         if self.ratio:
@@ -280,10 +285,11 @@ class Attention:
                 side2.hold(x)
                 with side2.beside():
                     ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
+                hw = self._head_weights(x)  # here, before q's projection: the indexer's branch is the longest
 
                 def picked(qr: torch.Tensor) -> None:  # the indexer's own (ratio 4) valid flags: the same as the
                     # compressor's, without waiting for the other branch
-                    self._picked(x, qr, ikeys, pos, sl.indexer.valid.unsqueeze(1), ctx, out=sl.entry_mask)
+                    self._picked(x, qr, ikeys, pos, sl.indexer.valid.unsqueeze(1), ctx, out=sl.entry_mask, hw=hw)
 
                 pick = (side2, picked)
         q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, pick)  # kv: ring
@@ -326,14 +332,17 @@ class MoE:
         B, S, D = x.shape
         x2 = x.reshape(-1, D)
         m.side.hold(x2)
-        with m.side.beside():  # the shared expert beside the router and the routed experts' gate/up
-            shared = self.shared(x2)
+        start = m.side.mark()
         logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
+        with m.side.beside(after=start):  # the shared expert beside the router and the routed experts' gate/up,
+            shared = self.shared(x2)  # issued after the router: a graph dispatches the router's grid first
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
         bias = w.get(p + "gate.bias")
         forced = ctx.forced(self.i, "router")
-        fixed = w[p + "gate.tid2eid"][ids.reshape(-1)] if self.hash else None
+        fixed = ctx.hash_experts.get(self.i) if self.hash else None
+        if self.hash and fixed is None:
+            fixed = w[p + "gate.tid2eid"][ids.reshape(-1)]
         if fixed is None and (forced is None or ctx.recording):  # forced: the engine's own pick is still recorded
             idx, weights, margin = ops.route(logits, bias, *route)
             ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
@@ -369,6 +378,7 @@ class _Ctx:
         self.selections: dict[tuple[int, str], Selection] = {}
         self.taps_wanted, self.taps = set(taps), {}
         self._memo: dict[tuple, object] = {}
+        self.hash_experts: dict[int, torch.Tensor] = {}  # a decode step's hash-routed experts per layer, made early
 
     @property
     def recording(self) -> bool:
@@ -390,6 +400,7 @@ class _Ctx:
         """A new chunk at absolute position `start`: RoPE values of an earlier chunk no longer apply."""
         self.start = start
         self._memo.clear()
+        self.hash_experts = {}
 
     def memo(self, key: tuple, make):
         """`make()` once per chunk under `key`: device values that every layer of a step shares (RoPE's
@@ -402,8 +413,17 @@ class _Ctx:
              align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of `rope` at `pos` ([B, S] after expand; rounded down to a multiple of `align`: a decode
         step's compressed-entry position per ratio), computed once per chunk (one launch)."""
+        shared = self._memo.get(("rope", id(rope), align, batch, tokens))  # `share_rope`'s, made before any fork
+        if shared is not None:
+            return shared
         key = ("rope", id(rope), align, stream_key(pos.device))  # per branch: branches may run at once
         return self.memo(key, lambda: rope(pos.expand(batch, tokens), align))
+
+    def share_rope(self, ropes: set[tuple[_Rope, int]], pos: torch.Tensor, batch: int) -> None:
+        """One decode token's cos/sin for every (rope, align) in `ropes`, issued now, joined before any branch
+        forks, so every branch reads them instead of computing its own on its path to attention."""
+        for rope, align in ropes:
+            self._memo[("rope", id(rope), align, batch, 1)] = rope(pos.expand(batch, 1), align)
 
 
 class Model:
@@ -419,6 +439,8 @@ class Model:
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
         self.attn = [Attention(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
+        # the cos/sin a decode step reads: q and kv's rope per layer, and each compressor's at its window start
+        self._decode_ropes = {(a.rope, 1) for a in self.attn} | {(self.rope_c, a.ratio) for a in self.attn if a.ratio}
 
     def _stack_experts(self, i: int) -> dict[str, QWeight]:
         """Routed experts as [E, N, K(/2)] stacks (packed stays packed); the per-expert keys are dropped."""
@@ -570,8 +592,15 @@ class Model:
         pos = sc.pos
         self.side.reset()
         self.side2.reset()
+        with self.side.beside():  # beside the embedding and the first mHC mix; joined before the first attention
+            ctx.share_rope(self._decode_ropes, pos, token.shape[0])
+            ids = token.to(self.device).reshape(-1)
+            ctx.hash_experts = {i: self.w[f"layers.{i}.ffn.gate.tid2eid"][ids] for i, moe in enumerate(self.moe)
+                                if moe.hash}  # the token's hash-routed experts, off the router's path
 
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+            if i == 0:
+                self.side.join()
             a = self.attn[i].decode(x, sc.layers[i], pos, ctx)
             if i == self.cfg.num_hidden_layers - 1:  # pos has no reader left: advance it beside the last MoE
                 with self.side.beside():

@@ -44,13 +44,26 @@ class SideStream:
         self.forked = False
         self.held.clear()
 
+    def mark(self) -> torch.cuda.Event | None:
+        """A point on the current stream that a later `beside(after=...)` can start from (None off CUDA)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        return event
+
     @contextlib.contextmanager
-    def beside(self) -> Iterator[None]:
-        """Issue the block's work on the side stream, after everything issued so far on the current one."""
+    def beside(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """Issue the block's work on the side stream, after everything issued so far on the current one, or
+        only after the `mark` `after`: the current stream's work issued since then (its critical path, issued
+        first so its kernels are dispatched ahead of the side branch's) is not waited for."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        else:
+            self.stream.wait_event(after)
         self.forked = True
         token = _BRANCH.set(self.branch)
         try:

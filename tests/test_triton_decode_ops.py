@@ -28,9 +28,13 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "split"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, n, k", [(1, 37, 300), (3, 130, 64), (4, 5, 1000)])
-def test_dense_linear_at_decode_sizes(m, n, k, wdtype):
+def test_dense_linear_at_decode_sizes(m, n, k, wdtype, narrow, monkeypatch):
+    """Both plans: all of K in one load per program (narrow W), and the K split with its in-launch sum."""
+    if not narrow:
+        monkeypatch.setitem(tri.DENSE_GEMV_NARROW, "MAX_N", 0)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, 1, k, generator=g)
     w = QWeight((torch.randn(n, k, generator=g) / k**0.5).to(wdtype), None, "dense")

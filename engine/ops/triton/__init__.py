@@ -414,6 +414,10 @@ DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBL
 # H200 run 8: the head at 1.00 of copy. PROGRAMS: narrower weights split K until about this many programs (a
 # program is 2 warps; at two per SM the compressors' and router's weights streamed at ~5 us a call, run 14)
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
+# Narrow W (the router, the compressors, the indexer's head weights: up to MAX_N rows of up to MAX_K): BLOCK_N rows
+# a program and all of K in one load of at most ELEMS values, so a program waits for one round trip and no split
+# sum (a K split adds two L2 round trips after it; at a decode step these GEMVs are latency, not bandwidth)
+DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, "num_warps": 4}
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -424,10 +428,16 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     m, n = x2.shape[0], w.data.shape[0]
     wd = w.data.contiguous()
     bm = _pow2(m, 1)
-    bn, bk = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm)
     launch = _Launch(x)
-    blocks = triton_cdiv(n, bn)
-    split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_GEMV["PROGRAMS"] // blocks))
+    nar = DENSE_GEMV_NARROW
+    if n <= nar["MAX_N"] and k <= nar["MAX_K"]:
+        bn, warps = nar["BLOCK_N"], nar["num_warps"]
+        bk = max(32, min(_pow2(k), nar["ELEMS"] // (bm * bn)))
+        blocks, split = triton_cdiv(n, bn), 1
+    else:
+        bn, bk, warps = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm), DENSE_GEMV["num_warps"]
+        blocks = triton_cdiv(n, bn)
+        split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_GEMV["PROGRAMS"] // blocks))
     chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
     split = triton_cdiv(k, chunk)
     y = _empty(m, n, dtype=out_dtype, device=x.device)
@@ -435,7 +445,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     launch("dense_gemv_kernel", (blocks, split), x2, wd, y, part, _locks(x.device, blocks if split > 1 else 0), m, n,
            k, chunk, split,
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-           SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=DENSE_GEMV["num_warps"])
+           SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=warps)
     return y.reshape(*lead, n)
 
 

@@ -946,38 +946,45 @@ def compress_finish_kernel(ent_ptr, valid_ptr, norm_ptr, cos_ptr, sin_ptr, pos_p
 
 
 @triton.jit
-def _top1(v, nan, free, w, BLOCK_W: tl.constexpr):
-    """(value, index) of the first pick among `free`: a NaN first (lowest index), else the largest value,
-    ties to the lowest index (the order of a stable descending sort)."""
-    first_nan = tl.min(tl.where(free & nan, w, BLOCK_W), axis=0)
-    best = tl.max(tl.where(free & ~nan, v, float("-inf")), axis=0)
-    i = tl.min(tl.where(free & ~nan & (v == best), w, BLOCK_W), axis=0)
-    has_nan = first_nan < BLOCK_W
-    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, i)
-
-
-@triton.jit
 def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
                 K: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Top-K of one row (the router's 256 experts) in K passes of "largest value, then lowest index among
-    equals" (ties never by memory order; NaN ranks first, as in a descending sort), and the margin K-th
-    minus (K+1)-th value (inf without a (K+1)-th). One launch instead of a device sort and its slicing."""
+    """Top-K of one row (the router's 256 experts) in K passes of one max over unique `_sort_key` keys
+    (largest value, then lowest index among equals: ties never by memory order; NaN ranks first, as in a
+    descending sort), and the margin K-th minus (K+1)-th value (inf without a (K+1)-th). One launch instead of
+    a device sort and its slicing."""
     row = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     ok = w < W
     v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=0.0).to(tl.float32)
-    nan = v != v
-    free = ok
-    kth = 0.0
+    key = tl.where(ok, _sort_key(v, w), -9223372036854775807 - 1)
+    best = key  # the K-th pick's key after the loop (K >= 1)
     for t in tl.static_range(K):
-        kth, i = _top1(v, nan, free, w, BLOCK_W)
-        tl.store(idx_ptr + row * K + t, i.to(tl.int64))
-        free = free & (w != i)
+        best = tl.max(key, axis=0)
+        tl.store(idx_ptr + row * K + t, 4294967295 - (best & 4294967295))
+        key = tl.where(key == best, -9223372036854775807 - 1, key)
     if HAS_NEXT:
-        margin = kth - _top1(v, nan, free, w, BLOCK_W)[0]
+        margin = _key_value(best) - _key_value(tl.max(key, axis=0))
     else:
         margin = float("inf")
     tl.store(margin_ptr + row, margin)
+
+
+@triton.jit
+def _sort_key(v, w):
+    """Unique int64 keys of values v at indices w (1-D) whose descending order is a stable descending sort of
+    v: the value's bits made order-preserving in the high half (one NaN, above +inf: NaN first; -0.0 as +0.0),
+    the complemented index in the low half (ties to the lower index)."""
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order (an involution)
+    return (order.to(tl.int64) << 32) | (4294967295 - w.to(tl.int64))
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value a `_sort_key` key was made from (NaN for NaN, +0.0 for -0.0)."""
+    order = (key >> 32).to(tl.int32)
+    return (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -992,12 +999,8 @@ def topk_sort_kernel(s_ptr, idx_ptr, margin_ptr, mask_ptr, W, K, stride_s, strid
     w = tl.arange(0, BLOCK_W)
     ok = w < W
     v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=float("-inf")).to(tl.float32)
-    v = tl.where(v == 0.0, 0.0, v)  # -0.0 ties +0.0 (as in a sort), so it must get the same key
-    bits = tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))  # one NaN, above +inf
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order
+    key = tl.where(ok, _sort_key(v, w), -9223372036854775807 - 1)
     low = tl.full([BLOCK_W], 4294967295, tl.int64)  # the low 32 bits
-    key = (order.to(tl.int64) << 32) | (low - w.to(tl.int64))
-    key = tl.where(ok, key, -9223372036854775807 - 1)
     srt = tl.sort(key, descending=True)
     kth = tl.sum(tl.where(w == K - 1, srt, 0), axis=0)
     if MASK:
@@ -1024,7 +1027,8 @@ def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stri
                  FIXED: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
     """One token's MoE routing in one launch (it was ten small ones): scores of the router logits (SCORING 0
     sqrt(softplus), 1 sigmoid, 2 softmax), the experts (top-K of score + bias, ties to the lower id, as
-    topk_kernel; FIXED: given, for hash routing), their scores normalized to sum 1 times `scale`, the margin."""
+    topk_kernel, one max per pick; FIXED: given, for hash routing), their scores normalized to sum 1 times
+    `scale`, the margin."""
     row = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     ok = w < W
@@ -1039,25 +1043,25 @@ def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stri
     sel = sc
     if HAS_BIAS:
         sel = sc + tl.load(bias_ptr + w, mask=ok, other=0.0).to(tl.float32)
-    nan = sel != sel
-    free = ok
+    key = tl.where(ok, _sort_key(sel, w), -9223372036854775807 - 1)
     kk = tl.arange(0, KP)
-    picked = tl.zeros([KP], dtype=tl.int64)
-    wk = tl.zeros([KP], dtype=tl.float32)
+    picked = tl.zeros([KP], dtype=tl.int32)
     kth = 0.0
     for t in tl.static_range(K):
         if FIXED:
             i = tl.load(fixed_ptr + row * K + t).to(tl.int32)
         else:
-            kth, i = _top1(sel, nan, free, w, BLOCK_W)
-            free = free & (w != i)
-        picked = tl.where(kk == t, i.to(tl.int64), picked)
-        wk = tl.where(kk == t, tl.sum(tl.where(w == i, sc, 0.0), axis=0), wk)
+            best = tl.max(key, axis=0)
+            key = tl.where(key == best, -9223372036854775807 - 1, key)
+            i = (4294967295 - (best & 4294967295)).to(tl.int32)
+            kth = _key_value(best)
+        picked = tl.where(kk == t, i, picked)
+    wk = tl.sum(tl.where((w[None, :] == picked[:, None]) & (kk < K)[:, None], sc[None, :], 0.0), axis=1)
     wk = wk / (tl.sum(wk, axis=0) + 1e-20) * scale
-    tl.store(idx_ptr + row * K + kk, picked, mask=kk < K)
+    tl.store(idx_ptr + row * K + kk, picked.to(tl.int64), mask=kk < K)
     tl.store(w_ptr + row * K + kk, wk, mask=kk < K)
     if HAS_NEXT and not FIXED:
-        margin = kth - _top1(sel, nan, free, w, BLOCK_W)[0]
+        margin = kth - _key_value(tl.max(key, axis=0))
     else:
         margin = float("inf")
     tl.store(margin_ptr + row, margin)
@@ -1281,6 +1285,10 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
           SPLITP=0), 2, False),
+    ("dense_gemv_narrow", dense_gemv_kernel,  # narrow W (router, compressors): all of K in one load
+     _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
+          "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=2, BLOCK_K=4096,
+          SPLITP=0), 4, False),
     ("dense_gemv_split", dense_gemv_kernel,  # the in-kernel split-K sum (integer atomics, fixed order)
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
