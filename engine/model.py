@@ -624,24 +624,26 @@ class Model:
             p = f"layers.{i}.hc_{block}_"
             return w[p + "fn"], w[p + "base"], w[p + "scale"], *hc
 
-        post, comb, xin = ops.hc_pre(h, *mix(0, "attn"))
+        def norm(i: int, block: str) -> tuple:  # the block's RMSNorm, applied by the mHC op before it
+            return w[f"layers.{i}.{block}_norm.weight"], cfg.rms_norm_eps
+
+        post, comb, xin, xn = ops.hc_pre(h, *mix(0, "attn"), norm(0, "attn"))
         for i in range(cfg.num_hidden_layers):  # hc_post_pre: one block's mHC post and the next one's pre
-            p = f"layers.{i}."
             ctx.tap(f"{i}.attn_in", xin)
-            a = attend(i, ops.rms_norm(xin, w[p + "attn_norm.weight"], cfg.rms_norm_eps))
+            a = attend(i, xn)
             ctx.tap(f"{i}.attn_out", a)
-            h, post, comb, xin = ops.hc_post_pre(a, h, post, comb, *mix(i, "ffn"))
+            h, post, comb, xin, xn = ops.hc_post_pre(a, h, post, comb, *mix(i, "ffn"), norm(i, "ffn"))
             ctx.tap(f"{i}.attn", h)
             ctx.tap(f"{i}.ffn_in", xin)
-            f = self.moe[i](ops.rms_norm(xin, w[p + "ffn_norm.weight"], cfg.rms_norm_eps), ids, ctx)
+            f = self.moe[i](xn, ids, ctx)
             ctx.tap(f"{i}.ffn_out", f)
             if i + 1 < cfg.num_hidden_layers:
-                h, post, comb, xin = ops.hc_post_pre(f, h, post, comb, *mix(i + 1, "attn"))
+                h, post, comb, xin, xn = ops.hc_post_pre(f, h, post, comb, *mix(i + 1, "attn"), norm(i + 1, "attn"))
             else:
                 h = ops.hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
-        y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps)
-        y = ops.rms_norm(y, w["norm.weight"], cfg.rms_norm_eps)
+        _, y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps,
+                           (w["norm.weight"], cfg.rms_norm_eps))
         return ops.linear(y, w["head.weight"])
 
 

@@ -99,11 +99,14 @@ def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B,
     h, out = rnd(B, S, n, D, dev=cdna2_device, dtype=dtype), rnd(B, S, D, dev=cdna2_device, dtype=dtype)
     fn = rnd(2 * n + n * n, n * D, dev=cdna2_device, scale=3 / (n * D) ** 0.5)
     base, scale = rnd(2 * n + n * n, dev=cdna2_device), torch.rand(3, device=cdna2_device) + 0.5
-    post, comb, x = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6)
-    rpost, rcomb, rx = reference.hc_pre(f64(h), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6)
+    nw = 1 + 0.1 * rnd(D, dev=cdna2_device, dtype=dtype)  # the block's RMSNorm, applied by the mHC op
+    post, comb, x, xn = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
+    rpost, rcomb, rx, rxn = reference.hc_pre(f64(h), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6,
+                                             (f64(nw), 1e-6))
     check("hc_pre_weights", torch.cat([post, comb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
           torch.float32, cdna2_tolerance, cdna2_record)  # computed in fp32 from any h
     check("hc_pre_input", x, rx, dtype, cdna2_tolerance, cdna2_record)
+    check("hc_pre_normed_input", xn, rxn, dtype, cdna2_tolerance, cdna2_record)
     y = ops.hc_post(out, h, rpost.float(), rcomb.float())
     check("hc_post", y, reference.hc_post(f64(out), f64(h), rpost, rcomb), dtype, cdna2_tolerance, cdna2_record)
 
@@ -117,14 +120,17 @@ def test_hc_post_pre(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, n)
     post, comb = torch.rand(1, 1, n, device=dev) * 2, torch.rand(1, 1, n, n, device=dev)
     fn = rnd(2 * n + n * n, n * D, dev=dev, scale=3 / (n * D) ** 0.5)
     base, scale = rnd(2 * n + n * n, dev=dev), torch.rand(3, device=dev) + 0.5
-    got = ops.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6)
+    nw = 1 + 0.1 * rnd(D, dev=dev, dtype=dtype)
+    got = ops.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
     # the reference reads the streams as the kernel stores them (in dtype): the weights are then fp32 math
     y = reference.hc_post(f64(out), f64(h), f64(post), f64(comb))
-    want = (y, *reference.hc_pre(f64(y.to(dtype)), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6))
+    want = (y, *reference.hc_pre(f64(y.to(dtype)), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6,
+                                 (f64(nw), 1e-6)))
     check("hc_post_pre_streams", got[0], want[0], dtype, cdna2_tolerance, cdna2_record)
     check("hc_post_pre_weights", torch.cat([got[1], got[2].flatten(-2)], -1),
           torch.cat([want[1], want[2].flatten(-2)], -1), torch.float32, cdna2_tolerance, cdna2_record)
     check("hc_post_pre_input", got[3], want[3], dtype, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_normed_input", got[4], want[4], dtype, cdna2_tolerance, cdna2_record)
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])

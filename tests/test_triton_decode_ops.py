@@ -66,19 +66,23 @@ def test_hc_pre(n, rows, d, dtype):
     h = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype)
     fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
     base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
-    got = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6)
-    want = ref.hc_pre(h.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6)
+    nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)  # the block's RMSNorm weight, applied in the same launch
+    got = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
+    want = ref.hc_pre(h.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6,
+                      (nw.double(), 1e-6))
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # xin is rounded to fp16: the kernel tier's fp16 limit
-    for a, b, t in zip(got, want, (1e-5, 1e-5, tol), strict=True):
+    for a, b, t in zip(got, want, (1e-5, 1e-5, tol, tol), strict=True):
         assert a.shape == b.shape
         assert rel(a, b) <= t
     comb = got[1].double()
     assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)  # doubly stochastic
+    plain = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6)  # without the norm: the same three, no fourth
+    assert len(plain) == 3 and all(torch.equal(a, b) for a, b in zip(plain, got[:3], strict=True))
     x = h[:, :, :1].expand(rows, 1, n, d)  # the first block's streams: one row broadcast, stream stride 0
     assert x.stride(2) == 0
-    bgot = tri.hc_pre(x, fn, base, scale, n, 20, 1e-6, 1e-6)
-    bwant = ref.hc_pre(x.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6)
-    for a, b, t in zip(bgot, bwant, (1e-5, 1e-5, tol), strict=True):
+    bgot = tri.hc_pre(x, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
+    bwant = ref.hc_pre(x.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6, (nw.double(), 1e-6))
+    for a, b, t in zip(bgot, bwant, (1e-5, 1e-5, tol, tol), strict=True):
         assert rel(a, b) <= t
 
 
@@ -107,13 +111,14 @@ def test_hc_post_pre(n, rows, d, dtype):
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
     fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
     base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
-    got = tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6)
+    nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    got = tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-5))
     want = ref.hc_post_pre(out.double(), h.double(), post.double(), comb.double(), fn.double(), base.double(),
-                           scale.double(), n, 20, 1e-6, 1e-6)
+                           scale.double(), n, 20, 1e-6, 1e-6, (nw.double(), 1e-5))
     # fp16: the new streams are rounded to fp16 (2^-11) before the next mix reads them, as stored streams are; the
     # float64 reference keeps them exact, so the weights differ by that rounding (the kernel tier's fp16 limit 1e-2
-    # for the streams and the input, 1e-3 for the weights); fp32 arithmetic against float64: 1e-5
-    tols = (1e-5,) * 4 if dtype == torch.float32 else (1e-2, 1e-3, 1e-3, 1e-2)
+    # for the streams, the input and the normed input, 1e-3 for the weights); fp32 against float64: 1e-5
+    tols = (1e-5,) * 5 if dtype == torch.float32 else (1e-2, 1e-3, 1e-3, 1e-2, 1e-2)
     for a, b, t in zip(got, want, tols, strict=True):
         assert a.shape == b.shape
         assert rel(a, b) <= t
@@ -130,6 +135,11 @@ def test_hc_head(n, rows, d):
     got = tri.hc_head(h, fn, base, scale, 1e-6, 1e-6)
     assert got.dtype == torch.float32
     assert rel(got, ref.hc_head(h.double(), fn.double(), base.double(), scale.double(), 1e-6, 1e-6)) <= 1e-5
+    nw = 1 + 0.1 * torch.randn(d, generator=g)  # with the model's final RMSNorm in the same launch
+    got2, normed = tri.hc_head(h, fn, base, scale, 1e-6, 1e-6, (nw, 1e-6))
+    assert torch.equal(got2, got) and normed.dtype == torch.float32
+    want = ref.hc_head(h.double(), fn.double(), base.double(), scale.double(), 1e-6, 1e-6, (nw.double(), 1e-6))[1]
+    assert rel(normed, want) <= 1e-5
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])

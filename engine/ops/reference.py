@@ -171,21 +171,25 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
+            hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None):
     """The model head's mHC: the streams h [..., n, D] collapsed by pre = sigmoid(mix * scale + base) + eps
-    (fn has n rows: no post, no comb) -> [..., D] in fp32 (fp64 for fp64 h), for the final norm."""
+    (fn has n rows: no post, no comb) -> [..., D] in fp32 (fp64 for fp64 h), for the final norm; with
+    `block_norm` = (weight, eps), (that, its rms_norm) (a backend may fuse the norm)."""
     acc = _acc(h.dtype)
     pre = torch.sigmoid(hc_mix(h, fn, norm_eps) * scale.to(acc) + base.to(acc)) + hc_eps
-    return (pre.unsqueeze(-1) * h.to(acc)).sum(-2)
+    y = (pre.unsqueeze(-1) * h.to(acc)).sum(-2)
+    return y if block_norm is None else (y, rms_norm(y, *block_norm))
 
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
     """mHC before a block, from the streams h [..., n, D]: (post [..., n], comb [..., n, n], the collapsed
-    block input sum_k pre_k h_k [..., D] in h.dtype); pre/post/comb in fp32 (fp64 for fp64 h)."""
+    block input sum_k pre_k h_k [..., D] in h.dtype); pre/post/comb in fp32 (fp64 for fp64 h). With
+    `block_norm` = (weight, eps) also the block's normed input rms_norm(x, weight, eps), fourth."""
     acc = _acc(h.dtype)
     pre, post, comb = hc_split(hc_mix(h, fn, norm_eps), base.to(acc), scale.to(acc), n, iters, hc_eps)
-    return post, comb, (pre.unsqueeze(-1) * h.to(acc)).sum(-2).to(h.dtype)
+    x = (pre.unsqueeze(-1) * h.to(acc)).sum(-2).to(h.dtype)
+    return (post, comb, x) if block_norm is None else (post, comb, x, rms_norm(x, *block_norm))
 
 
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -196,11 +200,12 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float,
-                hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
     """mHC between two blocks: hc_post of the block before, then hc_pre of the next (fn, base, scale): the new
-    streams, and the next block's post, comb and input (a backend may fuse the two)."""
+    streams, and the next block's post, comb and input (and its normed input with `block_norm`; a backend
+    may fuse all of it)."""
     h2 = hc_post(out, h, post, comb)
-    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps))
+    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm))
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,

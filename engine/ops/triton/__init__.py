@@ -568,8 +568,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
-HC_MIX_BLOCK_D = 32  # hc_post_pre's D blocks: each also streams its [MIX, n x 32] slice of fn (at 256, 16 programs
-# streamed the 1.5 MB fn at 9.6 us a call, run 17; hc_mix_partial's 128 programs took 2.3 us)
+HC_MIX_BLOCK_D = 32  # the mix's D blocks (hc_post_pre's and hc_mix_partial's): each streams its [MIX, n x 32] slice
+# of fn (at 256, 16 programs streamed the 1.5 MB fn at 9.6 us a call, run 17; 128 programs took 2.3 us)
 
 
 def _streams(h: torch.Tensor) -> torch.Tensor:
@@ -580,57 +580,71 @@ def _streams(h: torch.Tensor) -> torch.Tensor:
 
 
 def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """mHC's split-K mix partials of the streams h3 [rows, n, D] (flattened to n*D) with fn (one launch):
-    [rows, split, MIX+1]."""
-    rows, k = h3.shape[0], h3.shape[1] * h3.shape[2]
+    """mHC's split mix partials of the streams h3 [rows, n, D] with fn (one launch, split over D):
+    [rows, split, MIX + n*n] (the dots with fn's rows, then the streams' Gram matrix)."""
+    rows, n, d = h3.shape
     fn = fn.float().contiguous()
-    mix, bk = fn.shape[0], 128
-    split = max(1, min(triton_cdiv(k, bk), MIN_PROGRAMS // rows))
-    chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
-    split = triton_cdiv(k, chunk)
-    part = _empty(rows, split, mix + 1, dtype=torch.float32, device=h3.device)
-    _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, k, chunk, mix, h3.stride(0), fn.stride(0),
-                part.stride(0), h3.shape[2], h3.stride(1), PW=mix + 1, MIXP=_pow2(mix), BLOCK_K=bk, num_warps=4)
+    mix, bd = fn.shape[0], HC_MIX_BLOCK_D
+    split = max(1, min(triton_cdiv(d, bd), MIN_PROGRAMS // rows))
+    chunk = triton_cdiv(triton_cdiv(d, split), bd) * bd
+    split = triton_cdiv(d, chunk)
+    part = _empty(rows, split, mix + n * n, dtype=torch.float32, device=h3.device)
+    _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, n, d, chunk, mix, h3.stride(0), fn.stride(0),
+                part.stride(0), h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2), MIXP=_pow2(mix), BLOCK_D=bd,
+                num_warps=4)
     return part, split
 
 
 def _hc_collapse(part: torch.Tensor, split: int, h3: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                 n: int, iters: int, norm_eps: float, hc_eps: float, head: bool):
-    """One launch over (row, D block): the mHC weights from the mix partials and the collapsed input. Returns
-    (post, comb, x) flattened over rows (post, comb None for the head, whose x is fp32)."""
+                 n: int, iters: int, norm_eps: float, hc_eps: float, head: bool,
+                 block_norm: tuple[torch.Tensor, float] | None):
+    """One launch over (row, D block): the mHC weights from the mix partials, the collapsed input and, with
+    `block_norm` (weight, eps), its RMSNorm. Returns (post, comb, x, normed x or None) flattened over rows
+    (post, comb None for the head, whose x is fp32)."""
     rows, d = h3.shape[0], h3.shape[2]
     post = None if head else _empty(rows, n, dtype=torch.float32, device=h3.device)
     comb = None if head else _empty(rows, n, n, dtype=torch.float32, device=h3.device)
     x = _empty(rows, d, dtype=torch.float32 if head else h3.dtype, device=h3.device)  # the head's input: fp32
+    xn = None if block_norm is None else _empty(*x.shape, dtype=x.dtype, device=x.device)
+    norm = {} if block_norm is None else dict(NORM=True, nw_ptr=block_norm[0].contiguous(), xn_ptr=xn,
+                                              BLOCK_EPS=float(block_norm[1]))
     bd = min(HC_BLOCK_D, _pow2(d))
     _Launch(h3)("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h3, base.float().contiguous(),
                 scale.float().contiguous(), x if head else post, x if head else comb, x, n, d, split, iters,
                 float(norm_eps), float(hc_eps), part.stride(0), h3.stride(0), x.stride(0), h3.stride(1),
                 PW=part.shape[-1], NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd, HEAD=head,
-                num_warps=1)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
-    return post, comb, x
+                num_warps=1, **norm)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
+    return post, comb, x, xn
 
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC before a block (as reference.hc_pre): a split-K mix launch, then the Sinkhorn split and the
-    collapse over (row, D block) programs."""
+           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
+    """mHC before a block (as reference.hc_pre): a split mix launch, then the Sinkhorn split, the collapse
+    and (`block_norm`) the block's RMSNorm over (row, D block) programs."""
     if _use_reference(h):
-        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps)
-    lead, d = h.shape[:-2], h.shape[-1]
+        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm)
     h3 = _streams(h)
-    post, comb, x = _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, iters, norm_eps, hc_eps, head=False)
-    return post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d)
+    return _hc_out(h, n, *_hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, iters, norm_eps, hc_eps, False,
+                                       block_norm))
+
+
+def _hc_out(h: torch.Tensor, n: int, post, comb, x, xn) -> tuple:
+    """hc_pre's results shaped as h's leading dims: (post, comb, x) and xn when normed."""
+    lead, d = h.shape[:-2], h.shape[-1]
+    out = (post.reshape(*lead, n), comb.reshape(*lead, n, n), x.reshape(*lead, d))
+    return out if xn is None else (*out, xn.reshape(*lead, d))
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
-    """The model head's mHC collapse (as reference.hc_head): hc_pre's two launches without post and comb."""
+            hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None):
+    """The model head's mHC collapse (as reference.hc_head): hc_pre's two launches without post and comb, with
+    the final RMSNorm in the second when `block_norm` is given."""
     if _use_reference(h):
-        return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps)
+        return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps, block_norm)
     lead, (n, d) = h.shape[:-2], h.shape[-2:]
     h3 = _streams(h)
-    return _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, 0, norm_eps, hc_eps, head=True)[2].reshape(*lead, d)
+    _, _, x, xn = _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, 0, norm_eps, hc_eps, True, block_norm)
+    return x.reshape(*lead, d) if xn is None else (x.reshape(*lead, d), xn.reshape(*lead, d))
 
 
 def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -645,11 +659,11 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     bd = min(HC_BLOCK_D if not mix else HC_MIX_BLOCK_D, _pow2(d))
     blocks = triton_cdiv(d, bd)
     fn = y if fn is None else fn.float().contiguous()
-    part = _empty(rows, blocks, mix + 1, dtype=torch.float32, device=h.device) if mix else y
+    part = _empty(rows, blocks, mix + n * n, dtype=torch.float32, device=h.device) if mix else y
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
                y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,
-               MIXP=_pow2(max(mix, 1), 1), PW=mix + 1, MIX_NEXT=mix > 0, num_warps=4)
+               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, num_warps=4)
     return y, (part if mix else None)
 
 
@@ -661,16 +675,17 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float, hc_eps: float):
+                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float, hc_eps: float,
+                block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
     """hc_post then the next block's hc_pre (as reference.hc_post_pre) in two launches instead of three: the
-    post launch also writes the next mix's partials, one split per D block."""
+    post launch also writes the next mix's partials, one split per D block; `block_norm` as in hc_pre."""
     if _use_reference(out, h, post):
-        return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, iters, norm_eps, hc_eps)
-    lead, d = h.shape[:-2], h.shape[-1]
+        return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm)
+    d = h.shape[-1]
     y, part = _hc_post(out, h, post, comb, fn)
-    post2, comb2, x = _hc_collapse(part, part.shape[1], y.view(-1, n, d), base, scale, n, iters, norm_eps, hc_eps,
-                                   head=False)
-    return y.reshape(h.shape), post2.reshape(*lead, n), comb2.reshape(*lead, n, n), x.reshape(*lead, d)
+    pre = _hc_collapse(part, part.shape[1], y.view(-1, n, d), base, scale, n, iters, norm_eps, hc_eps, False,
+                       block_norm)
+    return y.reshape(h.shape), *_hc_out(h, n, *pre)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1083,41 +1083,49 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, I, limit, stride_g, stride_u, stride_y,
 
 
 @triton.jit
-def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K, CHUNK, MIX, stride_h, stride_fn, stride_p, D, stride_hn,
-                          PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split-K part of mHC's mix: per (row, split) the dots of the flattened streams (K = n * D; stream j of a
-    row at j * stride_hn: 0 for the first block's streams, one embedding broadcast) with every fn row over
-    one K chunk and their sum of squares, at part[row, split, :MIX] and part[row, split, PW - 1]. Split so
-    the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
+def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, stride_fn, stride_p, stride_hn,
+                          PW: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Split part of mHC's mix: per (row, split) over one chunk of D for all N streams (stream j of a row at
+    j * stride_hn: 0 for the first block's streams, one embedding broadcast), the dots with every fn row (fn
+    [MIX, N * D]: stream j's column d at j * D + d) at part[row, split, :MIX] and the streams' Gram matrix
+    sum_d h_j h_k at part[row, split, MIX:MIX + N * N] (its trace: the sum of squares). Split so the 1.5 MB
+    fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
+    i = tl.arange(0, NP)
+    i_ok = i < N
     j = tl.arange(0, MIXP)
     j_ok = j < MIX
-    acc = tl.zeros([MIXP, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    k0 = sp * CHUNK
-    for kk in range(0, CHUNK, BLOCK_K):
-        rk = k0 + kk + tl.arange(0, BLOCK_K)
-        ok = rk < K
-        x = tl.load(h_ptr + row * stride_h + (rk // D) * stride_hn + rk % D, mask=ok, other=0.0).to(tl.float32)
-        f = tl.load(fn_ptr + j[:, None] * stride_fn + rk[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
-        acc += f * x[None, :]
-        sq += x * x
+    acc = tl.zeros([MIXP, NP, BLOCK_D], dtype=tl.float32)
+    gram = tl.zeros([NP, NP, BLOCK_D], dtype=tl.float32)
+    for dd in range(0, CHUNK, BLOCK_D):
+        rd = sp * CHUNK + dd + tl.arange(0, BLOCK_D)
+        hd_ok = i_ok[:, None] & (rd < D)[None, :]
+        hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=hd_ok,
+                     other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + j[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
+                    mask=j_ok[:, None, None] & hd_ok[None, :, :], other=0.0)
+        acc += f * hv[None, :, :]
+        gram += hv[:, None, :] * hv[None, :, :]
     out = part_ptr + row * stride_p + sp * PW
-    tl.store(out + j, tl.sum(acc, axis=1), mask=j_ok)
-    tl.store(out + PW - 1, tl.sum(sq, axis=0))
+    tl.store(out + j, tl.sum(tl.sum(acc, axis=2), axis=1), mask=j_ok)
+    tl.store(out + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=i_ok[:, None] & i_ok[None, :])
 
 
 @triton.jit
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
                   N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x, stride_hn,
                   PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD: tl.constexpr = False):
+                  HEAD: tl.constexpr = False, NORM: tl.constexpr = False, nw_ptr=None, xn_ptr=None, BLOCK_EPS=0.0):
     """Program (row, D block), fp32: the mix (splits summed in order, times the streams' inverse RMS), then
     pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax and ITERS alternating column/row
     normalizations (Sinkhorn), then this block of the collapsed block input sum_k pre_k h_k in h's dtype.
     Every D block recomputes the (tiny) weights so the collapse spreads over the GPU; block 0 stores post
-    and comb. HEAD: the model head's mHC (the mix is pre only; no post, no comb)."""
+    and comb. HEAD: the model head's mHC (the mix is pre only; no post, no comb).
+    NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the RMSNorm
+    after mHC, no launch of its own): the sum of squares of the whole row of x is pre^T G pre, G the
+    streams' Gram matrix from the mix partials, so no block waits for another (it is that of x before x is
+    rounded to its dtype: the same up to that rounding)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
@@ -1129,12 +1137,14 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
     m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
-    ss = tl.sum(tl.load(part + PW - 1, mask=sp_ok, other=0.0), axis=0)
+    ok2 = ok[:, None] & ok[None, :]
+    ij = i[:, None] * N + i[None, :]
+    gram = tl.sum(tl.load(part[:, None, None] + PW - N * N + ij[None, :, :], mask=sp_ok[:, None, None] & ok2[None],
+                          other=0.0), axis=0)  # [NP, NP]
+    ss = tl.sum(tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1), axis=0)  # its trace
     r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
     pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
     if not HEAD:
-        ok2 = ok[:, None] & ok[None, :]
-        ij = i[:, None] * N + i[None, :]
         m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
                         axis=0)
         m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
@@ -1152,7 +1162,13 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
             tl.store(post_ptr + row * N + i, post, mask=ok)
             tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
     pre = tl.where(ok, pre, 0.0)
-    tl.store(x_ptr + row * stride_x + rd, tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty), mask=d_ok)
+    x = tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + row * stride_x + rd, x, mask=d_ok)
+    if NORM:
+        ssx = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0)
+        rx = 1.0 / tl.sqrt(ssx / D + BLOCK_EPS)
+        y = x.to(tl.float32) * rx * tl.load(nw_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
+        tl.store(xn_ptr + row * stride_x + rd, y.to(xn_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -1163,9 +1179,9 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     program; h [rows, N, D] (stream stride stride_hn: 0 for the first block's broadcast embedding) and y
     contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input
     (and fn's slice) is loaded before any arithmetic: a loop over j or k waited for one round trip per step.
-    MIX_NEXT (the op hc_post_pre): also the next hc_pre's split-K mix partials of this block, from y as rounded
-    to its dtype (what hc_pre would read): the dots with fn's MIX rows and the sum of squares, at
-    part[row, block, :MIX] and part[row, block, PW - 1] (hc_mix_partial_kernel's layout, one split per block)."""
+    MIX_NEXT (the op hc_post_pre): also the next hc_pre's split mix partials of this block, from y as rounded
+    to its dtype (what hc_pre would read): the dots with fn's MIX rows and the streams' Gram matrix, at
+    part[row, block, :MIX] and part[row, block, MIX:] (hc_mix_partial_kernel's layout, one split per block)."""
     row = tl.program_id(0).to(tl.int64)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     i = tl.arange(0, NP)
@@ -1188,7 +1204,8 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
         at = part_ptr + row * stride_p + tl.program_id(1) * PW
         tl.store(at + m, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1), mask=m_ok)
-        tl.store(at + PW - 1, tl.sum(tl.sum(yf * yf, axis=1), axis=0))
+        tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(yf[:, None, :] * yf[None, :, :], axis=2),
+                 mask=ok[:, None] & ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1321,18 +1338,18 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("g_ptr u_ptr y_ptr I limit stride_g stride_u stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32 i32",
           HAS_LIMIT=True, BLOCK=1024), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
-     _sig("h_ptr fn_ptr part_ptr K CHUNK MIX stride_h stride_fn stride_p D stride_hn",
-          "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", PW=25, MIXP=32, BLOCK_K=128), 4, False),
-    ("hc_pre", hc_pre_kernel,
+     _sig("h_ptr fn_ptr part_ptr N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
+          "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, NP=4, MIXP=32, BLOCK_D=32), 4, False),
+    ("hc_pre", hc_pre_kernel,  # with the block's RMSNorm (the decode step's form)
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x stride_hn",
-          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32",
-          PW=25, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False), 1, False),
-    ("hc_head", hc_pre_kernel,  # the model head's collapse: pre weights only, fp32 out
+          "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
+          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
+          PW=40, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False, NORM=True), 1, False),
+    ("hc_head", hc_pre_kernel,  # the model head's collapse and final norm: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x stride_hn",
-          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32",
-          PW=5, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True), 1, False),
+          "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
+          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *fp32 fp32",
+          PW=20, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True, NORM=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
@@ -1340,7 +1357,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre)
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
-          BLOCK_D=32, MIXP=32, PW=25, MIX_NEXT=True), 4, False),
+          BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True), 4, False),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above)
