@@ -189,8 +189,9 @@ class Attention:
     def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
                  side: SideStream | None = None, pick: tuple | None = None):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
-        when decoding), q's low-rank qr, cos/sin. With a `side` stream (decode), kv's norm and RoPE are issued
-        there once qr exists, and `pick` = (stream, fn) issues fn(qr) on its stream, while q is finished here."""
+        when decoding), q's low-rank qr (before q_norm), cos/sin. With a `side` stream (decode), kv's norm and RoPE
+        are issued there once qr exists, and `pick` = (stream, fn) issues fn(qr) on its stream, while q is finished
+        here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -199,7 +200,7 @@ class Attention:
             qr, kv = ops.linear(x, w[p + "wq_a.weight"]), ops.linear(x, w[p + "wkv.weight"])
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
-        qr = ops.rms_norm(qr, w[p + "q_norm.weight"], eps)  # [B, S, q_lora]
+        qn = self._q_norm()  # qr [B, S, q_lora] stays un-normed: its two readers apply q_norm as they read it
         if side is not None:
             side.hold(kv)  # read beside: alive until the join
         with side.beside() if side is not None else contextlib.nullcontext():  # decode: beside q's projection
@@ -208,8 +209,12 @@ class Attention:
             pick[0].hold(qr)
             with pick[0].beside():
                 pick[1](qr)
-        q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, H, hd), None, eps, cos, sin)
+        q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"], x_norm=qn).view(B, S, H, hd), None, eps, cos, sin)
         return q, kv, qr, cos, sin
+
+    def _q_norm(self) -> tuple[torch.Tensor, float]:
+        """q_norm, the RMSNorm of q's low-rank qr, as the `x_norm` of the two linears that read qr."""
+        return self.w[self.p + "q_norm.weight"], self.m.cfg.rms_norm_eps
 
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
@@ -235,7 +240,8 @@ class Attention:
         k = min(cfg.index_topk, T)
         if k and (forced is None or ctx.recording):
             cos, sin = ctx.rope(m.rope_c, pos, B, S)
-            q = ops.linear(qr, w[p + "wq_b.weight"]).view(B, S, cfg.index_n_heads, cfg.index_head_dim)
+            q = ops.linear(qr, w[p + "wq_b.weight"], x_norm=self._q_norm())
+            q = q.view(B, S, cfg.index_n_heads, cfg.index_head_dim)
             q = ops.rope(q, cos, sin)
             hw = self._head_weights(x) if hw is None else hw
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5

@@ -79,6 +79,10 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
     assert not tri._locks(x.device, 0).any()  # a split-K launch (K 300 at the CPU's 64-wide steps) reset them
     y32 = tri.linear(x, w, torch.float32)  # fp32 out from any x: written from the fp32 sums, not via x's dtype
     assert y32.dtype == torch.float32 and rel(y32, ref.linear(x.double(), w)) <= TOL[torch.float32]
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)  # q_norm applied by the stream as it reads x
+    normed = tri.linear(x * 3, w, x_norm=(nw, 1e-6))
+    assert rel(normed, ref.linear(x.double() * 3, w, x_norm=(nw.double(), 1e-6))) <= TOL[dtype]
+    assert rel(normed, tri.linear(tri.rms_norm(x * 3, nw, 1e-6), w)) <= TOL[torch.float32]  # the two-launch form
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

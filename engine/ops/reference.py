@@ -30,9 +30,12 @@ def dequantize(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
     return w.data.to(dtype)
 
 
-def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
+           x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """y = x @ W^T; x [..., K], W [N, K] -> [..., N] in out_dtype (default x's; the router wants fp32 logits
-    from bf16 activations)."""
+    from bf16 activations); with x_norm = (weight, eps), of rms_norm(x, weight, eps) (a backend may fuse it)."""
+    if x_norm is not None:
+        x = rms_norm(x, *x_norm)
     acc = _acc(x.dtype)
     return (x.to(acc) @ dequantize(w, acc).T).to(out_dtype or x.dtype)
 

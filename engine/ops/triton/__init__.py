@@ -167,8 +167,10 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
-def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype)."""
+def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None,
+                 x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype); x_norm (one
+    group, the stream path only: `linear` checks): x RMS-normed as the stream reads it."""
     m, g, k = x.shape
     n = w.data.shape[0]
     r = n // groups
@@ -201,9 +203,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
+        norm = {} if x_norm is None else dict(nw_ptr=x_norm[0].contiguous(), x_eps=float(x_norm[1]), X_NORM=True,
+                                              XP=_pow2(k))
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
-               SPLITP=_pow2(split, 1), num_warps=c["num_warps"])
+               SPLITP=_pow2(split, 1), num_warps=c["num_warps"], **norm)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -238,15 +242,24 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ W^T in out_dtype (default x's); FP8 weights decoded in registers, unquantized ones streamed at
-    decode sizes (written in out_dtype directly), others via the reference op."""
+X_NORM_MAX_K = 8192  # the FP8 stream applies an x_norm itself up to this K (each program reads the whole row)
+
+
+def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
+           x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """y = x @ W^T in out_dtype (default x's), of rms_norm(x, *x_norm) when x_norm is given (as reference.linear);
+    FP8 weights decoded in registers (at decode sizes the stream applies the norm as it reads x: no launch of
+    its own), unquantized ones streamed at decode sizes (written in out_dtype directly), others via the
+    reference op."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if x_norm is not None and not (w.kind == "fp8" and k <= X_NORM_MAX_K and not _use_reference(x)
+                                   and x.numel() <= k * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M)):
+        x, x_norm = rms_norm(x, *x_norm), None
     if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
         return _dense_linear(x, w, out_dtype or x.dtype)
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w, out_dtype)
-    lead, k = x.shape[:-1], x.shape[-1]
-    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1, out_dtype)
+    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1, out_dtype, x_norm)
     return y.reshape(*lead, -1)
 
 
