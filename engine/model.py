@@ -368,11 +368,11 @@ class MoE:
     def shared(self, x2: torch.Tensor) -> torch.Tensor:
         """The shared expert (SwiGLU MLP in FP8) of x2 [T, D]."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
-        if self.w13 is not None:
-            g, u = ops.linear(x2, self.w13).split(self.inter, -1)
-        else:
-            g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
-        return ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w[p + "shared_experts.w2.weight"])
+        w2 = w[p + "shared_experts.w2.weight"]
+        if self.w13 is not None:  # [gate | up] in one row: w2 reads it through swiglu
+            return ops.linear(ops.linear(x2, self.w13), w2, glu=cfg.swiglu_limit)
+        g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
+        return ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w2)
 
 
 class _Ctx:

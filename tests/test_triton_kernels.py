@@ -83,6 +83,11 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
     normed = tri.linear(x * 3, w, x_norm=(nw, 1e-6))
     assert rel(normed, ref.linear(x.double() * 3, w, x_norm=(nw.double(), 1e-6))) <= TOL[dtype]
     assert rel(normed, tri.linear(tri.rms_norm(x * 3, nw, 1e-6), w)) <= TOL[torch.float32]  # the two-launch form
+    gu = torch.randn(b, s, 2 * k, generator=g).to(dtype) * 4  # [gate | up] through swiglu as w reads it
+    for limit in (7.0, 0.0):  # clamped (|values| reach 7), unclamped
+        got = tri.linear(gu, w, glu=limit)
+        assert rel(got, ref.linear(gu.double(), w, glu=limit)) <= TOL[dtype]
+        assert rel(got, tri.linear(tri.swiglu(gu[..., :k], gu[..., k:], limit), w)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -31,9 +31,13 @@ def dequantize(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
-           x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+           x_norm: tuple[torch.Tensor, float] | None = None, glu: float | None = None) -> torch.Tensor:
     """y = x @ W^T; x [..., K], W [N, K] -> [..., N] in out_dtype (default x's; the router wants fp32 logits
-    from bf16 activations); with x_norm = (weight, eps), of rms_norm(x, weight, eps) (a backend may fuse it)."""
+    from bf16 activations); with x_norm = (weight, eps), of rms_norm(x, weight, eps); with glu (a limit), x is
+    [..., gate | up] (2K wide) and y is of swiglu(gate, up, glu) (a backend may fuse either)."""
+    if glu is not None:
+        k = x.shape[-1] // 2
+        x = swiglu(x[..., :k], x[..., k:], glu)
     if x_norm is not None:
         x = rms_norm(x, *x_norm)
     acc = _acc(x.dtype)

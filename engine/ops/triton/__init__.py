@@ -168,10 +168,13 @@ ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few
 
 
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None,
-                 x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype); x_norm (one
-    group, the stream path only: `linear` checks): x RMS-normed as the stream reads it."""
+                 x_norm: tuple[torch.Tensor, float] | None = None, glu: float | None = None) -> torch.Tensor:
+    """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype); x_norm and glu
+    (one group, the stream path only: `linear` checks): x RMS-normed, or x [M, 1, 2 Kg] = [gate | up] through
+    swiglu, as the stream reads it."""
     m, g, k = x.shape
+    if glu is not None:
+        k //= 2
     n = w.data.shape[0]
     r = n // groups
     wd, sd = _u8(w.data), _u8(w.scale)
@@ -205,6 +208,8 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         norm = {} if x_norm is None else dict(nw_ptr=x_norm[0].contiguous(), x_eps=float(x_norm[1]), X_NORM=True,
                                               XP=_pow2(k))
+        if glu is not None:
+            norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
                SPLITP=_pow2(split, 1), num_warps=c["num_warps"], **norm)
@@ -246,20 +251,24 @@ X_NORM_MAX_K = 8192  # the FP8 stream applies an x_norm itself up to this K (eac
 
 
 def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
-           x_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """y = x @ W^T in out_dtype (default x's), of rms_norm(x, *x_norm) when x_norm is given (as reference.linear);
-    FP8 weights decoded in registers (at decode sizes the stream applies the norm as it reads x: no launch of
-    its own), unquantized ones streamed at decode sizes (written in out_dtype directly), others via the
-    reference op."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    if x_norm is not None and not (w.kind == "fp8" and k <= X_NORM_MAX_K and not _use_reference(x)
-                                   and x.numel() <= k * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M)):
+           x_norm: tuple[torch.Tensor, float] | None = None, glu: float | None = None) -> torch.Tensor:
+    """y = x @ W^T in out_dtype (default x's), of rms_norm(x, *x_norm) when x_norm is given, of swiglu(gate, up,
+    glu) when glu is given and x is [..., gate | up] (as reference.linear); FP8 weights decoded in registers (at
+    decode sizes the stream applies the norm or swiglu as it reads x: no launch of its own), unquantized ones
+    streamed at decode sizes (written in out_dtype directly), others via the reference op."""
+    k = x.shape[-1] // (1 if glu is None else 2)
+    fused = (w.kind == "fp8" and k <= X_NORM_MAX_K and not _use_reference(x) and x.stride(-1) == 1
+             and x.numel() <= x.shape[-1] * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M))
+    if glu is not None and not fused:
+        x, glu = swiglu(x[..., :k], x[..., k:], glu), None
+    if x_norm is not None and not fused:
         x, x_norm = rms_norm(x, *x_norm), None
+    lead = x.shape[:-1]
     if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
         return _dense_linear(x, w, out_dtype or x.dtype)
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w, out_dtype)
-    y = _fp8_grouped(x.reshape(-1, 1, k).contiguous(), w, 1, out_dtype, x_norm)
+    y = _fp8_grouped(x.reshape(-1, 1, x.shape[-1]).contiguous(), w, 1, out_dtype, x_norm, glu)
     return y.reshape(*lead, -1)
 
 

@@ -112,11 +112,13 @@ def _split_sum(y, part_at, out_at, ok, split, n_split, part_stride, lock_at, add
 
 @triton.jit
 def _fp8_stream_load(w_base, x_base, s_tile, s_rows, k0, k_end, r_ok, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr,
-                     WORDS: tl.constexpr, nw_base=None, xr=1.0, X_NORM: tl.constexpr = False):
+                     WORDS: tl.constexpr, nw_base=None, xr=1.0, X_NORM: tl.constexpr = False, K=0, glu_limit=0.0,
+                     X_GLU: tl.constexpr = 0):
     """Raw loads of one [BLOCK_N, BLOCK_K] step at column k0 (columns from k_end on read nothing): E4M3 bytes
     (WORDS: w_base addresses uint32 words, loaded as [BN, BK / 4]), x in its own dtype (X_NORM: RMS-normed, times
-    xr and the norm weight at nw_base, rounded to x's dtype as rms_norm's output is), and the UE8M0 scale bytes
-    (UNIFORM: one per column of the tile's scale row; else per (row, column))."""
+    xr and the norm weight at nw_base, rounded to x's dtype as rms_norm's output is; X_GLU: the row is [gate | up],
+    2K wide, and x is swiglu's output silu(gate) * up, clamped by glu_limit when X_GLU == 2, rounded as swiglu's
+    is), and the UE8M0 scale bytes (UNIFORM: one per column of the tile's scale row; else per (row, column))."""
     kk = k0 + tl.arange(0, BLOCK_K)
     k_ok = kk < k_end
     if WORDS:
@@ -125,6 +127,13 @@ def _fp8_stream_load(w_base, x_base, s_tile, s_rows, k0, k_end, r_ok, BLOCK_K: t
     else:
         wb = tl.load(w_base + k0, mask=r_ok[:, None] & k_ok[None, :], other=0)
     x = tl.load(x_base + k0, mask=k_ok, other=0.0)
+    if X_GLU:
+        gt = x.to(tl.float32)
+        up = tl.load(x_base + K + k0, mask=k_ok, other=0.0).to(tl.float32)
+        if X_GLU == 2:
+            gt = tl.minimum(gt, glu_limit)
+            up = tl.minimum(tl.maximum(up, -glu_limit), glu_limit)
+        x = (gt / (1.0 + tl.exp(-gt)) * up).to(x.dtype)
     if X_NORM:
         nw = tl.load(nw_base + k0, mask=k_ok, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) * xr * nw).to(x.dtype)
@@ -212,7 +221,8 @@ def fp8_stream_kernel(
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg, K_CHUNK, part_ptr, lock_ptr, stride_ps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
     UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False, SPLITP: tl.constexpr = 1,
-    nw_ptr=None, x_eps=0.0, X_NORM: tl.constexpr = False, XP: tl.constexpr = 1,
+    nw_ptr=None, x_eps=0.0, X_NORM: tl.constexpr = False, XP: tl.constexpr = 1, glu_limit=0.0,
+    X_GLU: tl.constexpr = 0,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -231,6 +241,8 @@ def fp8_stream_kernel(
     X_NORM (one group): x is first RMS-normed with the weight at nw_ptr (rms_norm's numerics): every program
     reads the whole row of x (XP: K rounded up to a power of two) for its inverse RMS, so the norm needs no
     launch of its own (q's norm before wq_b and the indexer's wq_b).
+    X_GLU (one group; 1, or 2 with glu_limit): x rows are [gate | up] (2K wide) and W reads swiglu(gate, up) as
+    the stream loads it (the shared expert's w2 after its joined w1|w3: no swiglu launch).
     """
     pid_n = tl.program_id(0)
     m = tl.program_id(1) // SPLIT
@@ -262,18 +274,18 @@ def fp8_stream_kernel(
     if PREFETCH:
         k_end = tl.minimum(K, k_lo + K_CHUNK)  # the prefetch past this split's last tile reads nothing
         wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k_lo, k_end, r_ok, BLOCK_K, UNIFORM, True,
-                                    nw_base, xr, X_NORM)
+                                    nw_base, xr, X_NORM, K, glu_limit, X_GLU)
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
         for u in tl.static_range(UNROLL):
             k = k0 + u * BLOCK_K
             if PREFETCH:
                 nwb, nx, ns = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k + BLOCK_K, k_end, r_ok, BLOCK_K,
-                                               UNIFORM, True, nw_base, xr, X_NORM)
+                                               UNIFORM, True, nw_base, xr, X_NORM, K, glu_limit, X_GLU)
                 acc = _fp8_stream_fma_words(acc, wb, x, s, HW, UNIFORM, BLOCK_N, BLOCK_K)
                 wb, x, s = nwb, nx, ns
             else:
                 wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k, k_end, r_ok, BLOCK_K, UNIFORM, False,
-                                            nw_base, xr, X_NORM)
+                                            nw_base, xr, X_NORM, K, glu_limit, X_GLU)
                 acc = _fp8_stream_fma(acc, wb, x, s, HW, UNIFORM)
     y = tl.sum(acc, axis=1)
     at = m * stride_ym + g * stride_yg + offs_r
@@ -1263,6 +1275,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_stream_xnorm", fp8_stream_kernel,  # wq_b's form: q_norm applied as x is read (the row's RMS first)
      _sig(_FP8_STREAM_ARGS[0] + " nw_ptr x_eps", _FP8_STREAM_ARGS[1] + " *bf16 fp32", BLOCK_N=64, BLOCK_K=256,
           HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, X_NORM=True, XP=1024), 8, False),
+    ("fp8_stream_glu", fp8_stream_kernel,  # the shared expert's w2: swiglu(gate, up) applied as x is read
+     _sig(_FP8_STREAM_ARGS[0] + " glu_limit", _FP8_STREAM_ARGS[1] + " fp32", BLOCK_N=8, BLOCK_K=1024,
+          HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, X_GLU=2), 4, False),
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4), 4, False),
     ("fp8_matmul", fp8_matmul_kernel,
