@@ -427,7 +427,8 @@ class _Ctx:
 
     def share_rope(self, ropes: set[tuple[_Rope, int]], pos: torch.Tensor, batch: int) -> None:
         """One decode token's cos/sin for every (rope, align) in `ropes`, issued now, joined before any branch
-        forks, so every branch reads them instead of computing its own on its path to attention."""
+        forks, so every branch reads them instead of computing its own on its path to attention. Keyed without
+        `pos`: a decode step has one position (the static cache's), and `begin` clears them each step."""
         for rope, align in ropes:
             self._memo[("rope", id(rope), align, batch, 1)] = rope(pos.expand(batch, 1), align)
 

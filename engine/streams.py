@@ -4,11 +4,14 @@ its q projection. In a captured decode graph the branches run in parallel, so sm
 overlap instead of queueing one after another (each costs ~2-5 us however few bytes it reads).
 
 Safety rests on the fork/join discipline: `beside()` first makes the side stream wait for everything issued
-so far on the current stream, `join()` makes the current stream wait for the side stream, and every `beside()`
-is joined before the caller returns. A tensor of the main branch that the side branch reads is kept alive until
-the join (`hold`, or by the caller's own references); one the side branch allocates and the main branch reads
-is freed after the join, and the side stream's next fork waits for the main stream's work: so the caching
-allocator never hands out memory a branch may still read. Off CUDA (CPU, the interpreter) it is a no-op: the
+so far on the current stream (or, `beside(after=mark)`, for everything issued before `mark()`: the current
+stream's critical kernels issued in between are captured, and so dispatched, first; the caller must not free
+between the mark and the fork anything the side stream could still read), `join()` makes the current stream
+wait for the side stream, and every `beside()` is joined before the caller returns. A tensor of the main
+branch that the side branch reads is kept alive until the join (`hold`, or by the caller's own references);
+one the side branch allocates and the main branch reads is freed after the join, and the side stream's next
+fork waits for the main stream's work (up to its mark): so the caching allocator never hands out memory a
+branch may still read. Off CUDA (CPU, the interpreter) it is a no-op: the
 same work runs inline in program order.
 """
 

@@ -86,6 +86,31 @@ def test_hc_pre(n, rows, d, dtype):
         assert rel(a, b) <= t
 
 
+@pytest.mark.parametrize("delta", [1e-1, 1e-2, 1e-3])
+def test_hc_block_norm_where_the_streams_cancel(delta):
+    """The block norm's sum of squares comes from the streams' Gram matrix (pre^T G pre): with streams that
+    cancel (h2 = -h1 + delta, equal pre), ||h||^2 / ||x||^2 reaches 1e6 and an fp32 G would lose that much (1e-3
+    at delta 1e-2); the fp64 G matches the norm of the kernel's own x (the two-launch form) to fp32 accuracy,
+    through hc_pre's mix launch and hc_post_pre's. Against float64, x itself carries fp32's cancellation error
+    (2^-24 ||h|| / ||x||), so that check stops at delta 1e-2."""
+    g = torch.Generator().manual_seed(17)
+    rows, n, d = 2, 2, 300
+    h1 = torch.randn(rows, 1, 1, d, generator=g)
+    h = torch.cat([h1, -h1 + delta * torch.randn(rows, 1, 1, d, generator=g)], 2)  # [rows, 1, 2, d] fp32
+    fn, base = torch.zeros(2 * n + n * n, n * d), torch.zeros(2 * n + n * n)  # pre = sigmoid(0) + eps for both
+    scale, nw = torch.ones(3), 1 + 0.1 * torch.randn(d, generator=g)
+    _, _, x, got = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-12))
+    two_launch = tri.rms_norm(x, nw, 1e-12)
+    assert rel(got, two_launch) <= 1e-6
+    want = ref.hc_pre(h.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6,
+                      (nw.double(), 1e-12))[3]
+    if delta >= 1e-2:
+        assert rel(got, want) <= 1e-5
+    post, comb = torch.zeros(rows, 1, n), torch.eye(n).expand(rows, 1, n, n)  # hc_post returns h itself
+    got = tri.hc_post_pre(torch.zeros(rows, 1, d), h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-12))
+    assert rel(got[4], tri.rms_norm(got[3], nw, 1e-12)) <= 1e-6
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (4, 1100)])
 def test_hc_post(n, rows, d):

@@ -88,6 +88,8 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
         got = tri.linear(gu, w, glu=limit)
         assert rel(got, ref.linear(gu.double(), w, glu=limit)) <= TOL[dtype]
         assert rel(got, tri.linear(tri.swiglu(gu[..., :k], gu[..., k:], limit), w)) <= TOL[torch.float32]
+    both = tri.linear(gu, w, x_norm=(nw, 1e-6), glu=7.0)  # swiglu first, then the norm (one of them fused)
+    assert rel(both, ref.linear(gu.double(), w, x_norm=(nw.double(), 1e-6), glu=7.0)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

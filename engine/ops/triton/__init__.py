@@ -259,7 +259,7 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
     k = x.shape[-1] // (1 if glu is None else 2)
     fused = (w.kind == "fp8" and k <= X_NORM_MAX_K and not _use_reference(x) and x.stride(-1) == 1
              and x.numel() <= x.shape[-1] * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M))
-    if glu is not None and not fused:
+    if glu is not None and (not fused or x_norm is not None):  # the stream applies one of them, not both
         x, glu = swiglu(x[..., :k], x[..., k:], glu), None
     if x_norm is not None and not fused:
         x, x_norm = rms_norm(x, *x_norm), None
@@ -433,12 +433,12 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
-# H200 run 8: the head at 1.00 of copy. PROGRAMS: narrower weights split K until about this many programs (a
-# program is 2 warps; at two per SM the compressors' and router's weights streamed at ~5 us a call, run 14)
+# H200 run 8: the head at 1.00 of copy. PROGRAMS: weights wider than DENSE_GEMV_NARROW's MAX_N but with too few
+# rows to fill the GPU split K until about this many programs (a program is 2 warps)
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
 # Narrow W (the router, the compressors, the indexer's head weights: up to MAX_N rows of up to MAX_K): BLOCK_N rows
-# a program and all of K in one load of at most ELEMS values, so a program waits for one round trip and no split
-# sum (a K split adds two L2 round trips after it; at a decode step these GEMVs are latency, not bandwidth)
+# a program, K in steps of at most ELEMS values over the tile (all of K in one load for one row up to K = 4096),
+# no split sum (a K split adds two L2 round trips; at a decode step these GEMVs are latency, not bandwidth: run 42)
 DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, "num_warps": 4}
 
 
@@ -521,7 +521,8 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties to the lower index, and the k-th minus (k+1)-th margin (as
     reference.topk); one program per row: k passes for small k, else one in-register sort."""
     w = scores.shape[-1]
-    if k > w or w > TOPK_MAX_WIDTH or scores.dtype != torch.float32 or not scores.numel() or _use_reference(scores):
+    if not 0 < k <= w or w > TOPK_MAX_WIDTH or scores.dtype != torch.float32 or not scores.numel() \
+            or _use_reference(scores):
         return _ref.topk(scores, k)
     lead = scores.shape[:-1]
     s2 = scores.reshape(-1, w).contiguous()
@@ -603,14 +604,14 @@ def _streams(h: torch.Tensor) -> torch.Tensor:
 
 def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
     """mHC's split mix partials of the streams h3 [rows, n, D] with fn (one launch, split over D):
-    [rows, split, MIX + n*n] (the dots with fn's rows, then the streams' Gram matrix)."""
+    [rows, split, MIX + n*n] fp64 (the dots with fn's rows, then the streams' Gram matrix)."""
     rows, n, d = h3.shape
     fn = fn.float().contiguous()
     mix, bd = fn.shape[0], HC_MIX_BLOCK_D
     split = max(1, min(triton_cdiv(d, bd), MIN_PROGRAMS // rows))
     chunk = triton_cdiv(triton_cdiv(d, split), bd) * bd
     split = triton_cdiv(d, chunk)
-    part = _empty(rows, split, mix + n * n, dtype=torch.float32, device=h3.device)
+    part = _empty(rows, split, mix + n * n, dtype=torch.float64, device=h3.device)
     _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, n, d, chunk, mix, h3.stride(0), fn.stride(0),
                 part.stride(0), h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2), MIXP=_pow2(mix), BLOCK_D=bd,
                 num_warps=4)
@@ -681,7 +682,7 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     bd = min(HC_BLOCK_D if not mix else HC_MIX_BLOCK_D, _pow2(d))
     blocks = triton_cdiv(d, bd)
     fn = y if fn is None else fn.float().contiguous()
-    part = _empty(rows, blocks, mix + n * n, dtype=torch.float32, device=h.device) if mix else y
+    part = _empty(rows, blocks, mix + n * n, dtype=torch.float64, device=h.device) if mix else y
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
                y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,

@@ -879,7 +879,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
     stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
     only the summation order differs). The reference would first write a float32 copy of W.
-    SPLITP > 0: program (n, s) covers K from s * K_CHUNK (narrow W, e.g. the router's 256 rows, still spreads
+    SPLITP > 0: program (n, s) covers K from s * K_CHUNK (W with too few rows to fill the GPU still spreads
     over the SMs) and the n_split (<= SPLITP) partials are added by the last split to finish (`_split_sum`)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -1117,8 +1117,9 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
     """Split part of mHC's mix: per (row, split) over one chunk of D for all N streams (stream j of a row at
     j * stride_hn: 0 for the first block's streams, one embedding broadcast), the dots with every fn row (fn
     [MIX, N * D]: stream j's column d at j * D + d) at part[row, split, :MIX] and the streams' Gram matrix
-    sum_d h_j h_k at part[row, split, MIX:MIX + N * N] (its trace: the sum of squares). Split so the 1.5 MB
-    fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
+    sum_d h_j h_k at part[row, split, MIX:MIX + N * N] (its trace: the sum of squares; in fp64, as part is, so
+    that pre^T G pre keeps the precision of a direct sum of squares of x even where the streams cancel). Split
+    so the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     i = tl.arange(0, NP)
@@ -1126,7 +1127,7 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
     j = tl.arange(0, MIXP)
     j_ok = j < MIX
     acc = tl.zeros([MIXP, NP, BLOCK_D], dtype=tl.float32)
-    gram = tl.zeros([NP, NP, BLOCK_D], dtype=tl.float32)
+    gram = tl.zeros([NP, NP, BLOCK_D], dtype=tl.float64)
     for dd in range(0, CHUNK, BLOCK_D):
         rd = sp * CHUNK + dd + tl.arange(0, BLOCK_D)
         hd_ok = i_ok[:, None] & (rd < D)[None, :]
@@ -1135,7 +1136,8 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
         f = tl.load(fn_ptr + j[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
                     mask=j_ok[:, None, None] & hd_ok[None, :, :], other=0.0)
         acc += f * hv[None, :, :]
-        gram += hv[:, None, :] * hv[None, :, :]
+        hd = hv.to(tl.float64)
+        gram += hd[:, None, :] * hd[None, :, :]
     out = part_ptr + row * stride_p + sp * PW
     tl.store(out + j, tl.sum(tl.sum(acc, axis=2), axis=1), mask=j_ok)
     tl.store(out + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=i_ok[:, None] & i_ok[None, :])
@@ -1153,8 +1155,9 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     and comb. HEAD: the model head's mHC (the mix is pre only; no post, no comb).
     NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the RMSNorm
     after mHC, no launch of its own): the sum of squares of the whole row of x is pre^T G pre, G the
-    streams' Gram matrix from the mix partials, so no block waits for another (it is that of x before x is
-    rounded to its dtype: the same up to that rounding)."""
+    streams' Gram matrix from the mix partials (fp64: with streams that cancel, ||h||^2 >> ||x||^2, an fp32 G
+    would lose that ratio squared), so no block waits for another (it is that of x before x is rounded to its
+    dtype: the same up to that rounding)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
@@ -1165,19 +1168,20 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
-    m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0), axis=0)
+    m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
+                   axis=0).to(tl.float32)
     ok2 = ok[:, None] & ok[None, :]
     ij = i[:, None] * N + i[None, :]
     gram = tl.sum(tl.load(part[:, None, None] + PW - N * N + ij[None, :, :], mask=sp_ok[:, None, None] & ok2[None],
-                          other=0.0), axis=0)  # [NP, NP]
-    ss = tl.sum(tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1), axis=0)  # its trace
+                          other=0.0), axis=0)  # [NP, NP], fp64
+    ss = tl.sum(tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1), axis=0).to(tl.float32)  # trace
     r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
     pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
     if not HEAD:
         m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
-                        axis=0)
+                        axis=0).to(tl.float32)
         m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
-                                mask=sp_ok[:, None, None] & ok2[None, :, :], other=0.0), axis=0)
+                                mask=sp_ok[:, None, None] & ok2[None, :, :], other=0.0), axis=0).to(tl.float32)
         post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=ok, other=0.0))
         c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0)
         c = tl.where(ok2, c, tl.where(ok[:, None], float("-inf"), 0.0))  # padded columns get no mass
@@ -1194,8 +1198,9 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
     x = tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + row * stride_x + rd, x, mask=d_ok)
     if NORM:
-        ssx = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0)
-        rx = 1.0 / tl.sqrt(ssx / D + BLOCK_EPS)
+        pd = pre.to(tl.float64)
+        ssx = tl.maximum(tl.sum(tl.sum(pd[:, None] * gram * pd[None, :], axis=1), axis=0), 0.0)
+        rx = (1.0 / tl.sqrt(ssx / D + BLOCK_EPS)).to(tl.float32)
         y = x.to(tl.float32) * rx * tl.load(nw_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
         tl.store(xn_ptr + row * stride_x + rd, y.to(xn_ptr.dtype.element_ty), mask=d_ok)
 
@@ -1233,7 +1238,8 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
         at = part_ptr + row * stride_p + tl.program_id(1) * PW
         tl.store(at + m, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1), mask=m_ok)
-        tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(yf[:, None, :] * yf[None, :, :], axis=2),
+        yd = yf.to(tl.float64)
+        tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(yd[:, None, :] * yd[None, :, :], axis=2),
                  mask=ok[:, None] & ok[None, :])
 
 
@@ -1374,16 +1380,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           HAS_LIMIT=True, BLOCK=1024), 4, False),
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
-          "*bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, NP=4, MIXP=32, BLOCK_D=32), 4, False),
+          "*bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, NP=4, MIXP=32, BLOCK_D=32), 4, False),
     ("hc_pre", hc_pre_kernel,  # with the block's RMSNorm (the decode step's form)
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
-          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
+          "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
           PW=40, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False, NORM=True), 1, False),
     ("hc_head", hc_pre_kernel,  # the model head's collapse and final norm: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
-          "*fp32 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *fp32 fp32",
+          "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *fp32 fp32",
           PW=20, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True, NORM=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
@@ -1391,7 +1397,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           BLOCK_D=256), 4, False),
     ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre)
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
-          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
           BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True), 4, False),
 ]
 
