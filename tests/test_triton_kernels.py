@@ -79,15 +79,18 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
     assert not tri._locks(x.device, 0).any()  # a split-K launch (K 300 at the CPU's 64-wide steps) reset them
     y32 = tri.linear(x, w, torch.float32)  # fp32 out from any x: written from the fp32 sums, not via x's dtype
     assert y32.dtype == torch.float32 and rel(y32, ref.linear(x.double(), w)) <= TOL[torch.float32]
+    stream = b * s <= 2  # the interpreter's stream path, where the norm and swiglu are fused into the load
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)  # q_norm applied by the stream as it reads x
     normed = tri.linear(x * 3, w, x_norm=(nw, 1e-6))
     assert rel(normed, ref.linear(x.double() * 3, w, x_norm=(nw.double(), 1e-6))) <= TOL[dtype]
-    assert rel(normed, tri.linear(tri.rms_norm(x * 3, nw, 1e-6), w)) <= TOL[torch.float32]  # the two-launch form
+    if stream:  # the fused form against the two-launch one (elsewhere they are the same calls)
+        assert rel(normed, tri.linear(tri.rms_norm(x * 3, nw, 1e-6), w)) <= TOL[torch.float32]
     gu = torch.randn(b, s, 2 * k, generator=g).to(dtype) * 4  # [gate | up] through swiglu as w reads it
     for limit in (7.0, 0.0):  # clamped (|values| reach 7), unclamped
         got = tri.linear(gu, w, glu=limit)
         assert rel(got, ref.linear(gu.double(), w, glu=limit)) <= TOL[dtype]
-        assert rel(got, tri.linear(tri.swiglu(gu[..., :k], gu[..., k:], limit), w)) <= TOL[torch.float32]
+        if stream:
+            assert rel(got, tri.linear(tri.swiglu(gu[..., :k], gu[..., k:], limit), w)) <= TOL[torch.float32]
     both = tri.linear(gu, w, x_norm=(nw, 1e-6), glu=7.0)  # swiglu first, then the norm (one of them fused)
     assert rel(both, ref.linear(gu.double(), w, x_norm=(nw.double(), 1e-6), glu=7.0)) <= TOL[dtype]
 
