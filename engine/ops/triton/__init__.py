@@ -247,7 +247,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-X_NORM_MAX_K = 8192  # the FP8 stream applies an x_norm itself up to this K (each program reads the whole row)
+X_FUSED_MAX_K = 8192  # the FP8 stream applies an x_norm or glu itself up to this K (the norm reads the whole row)
 
 
 def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
@@ -256,13 +256,14 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
     glu) when glu is given and x is [..., gate | up] (as reference.linear); FP8 weights decoded in registers (at
     decode sizes the stream applies the norm or swiglu as it reads x: no launch of its own), unquantized ones
     streamed at decode sizes (written in out_dtype directly), others via the reference op."""
-    k = x.shape[-1] // (1 if glu is None else 2)
-    fused = (w.kind == "fp8" and k <= X_NORM_MAX_K and not _use_reference(x) and x.stride(-1) == 1
-             and x.numel() <= x.shape[-1] * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M))
-    if glu is not None and (not fused or x_norm is not None):  # the stream applies one of them, not both
-        x, glu = swiglu(x[..., :k], x[..., k:], glu), None
-    if x_norm is not None and not fused:
-        x, x_norm = rms_norm(x, *x_norm), None
+    if x_norm is not None or glu is not None:  # fused into the FP8 stream's load, else applied first
+        k = x.shape[-1] // (1 if glu is None else 2)
+        fused = (w.kind == "fp8" and k <= X_FUSED_MAX_K and not _use_reference(x) and x.stride(-1) == 1
+                 and x.numel() <= x.shape[-1] * (2 if _Launch(x).cpu else FP8_STREAM_MAX_M))
+        if glu is not None and (not fused or x_norm is not None):  # the stream applies one of them, not both
+            x, glu = swiglu(x[..., :k], x[..., k:], glu), None
+        if x_norm is not None and not fused:
+            x, x_norm = rms_norm(x, *x_norm), None
     lead = x.shape[:-1]
     if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
         return _dense_linear(x, w, out_dtype or x.dtype)
