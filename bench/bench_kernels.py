@@ -191,15 +191,19 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         idx = torch.stack([torch.randperm(e, device=DEV, generator=GEN)[:TOPK] for _ in range(t)])
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
-        saved_st = dict(tri.MOE_STREAM)
-        # the one-token stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA only)
+        saved_st, saved_mma = dict(tri.MOE_STREAM), dict(tri.MOE_MMA)
+        # the one-token stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA only), and
+        # the tensor-core kernels (CUDA sm_80+, bf16: off in --small) at two K splits
         streams = [("stream", False, False), ("stream prefetch", True, False), ("stream prmt", False, True),
-                   ("stream prefetch prmt", True, True)]
+                   ("stream prefetch prmt", True, True), ("mma", 4, 2), ("mma", 2, 4)]
         for variant, pf, prmt in (streams + [("dot", False, False)]) if t == 1 else [("dot", False, False)]:
-            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf, PRMT=prmt)
+            mma = variant == "mma"
+            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf and not mma, PRMT=prmt and not mma)
+            tri.MOE_MMA.update(on=mma, SPLIT_UP=pf if mma else 4, SPLIT_DOWN=prmt if mma else 2)
             got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
-            check(results, f"moe_experts T={t} {variant}", rel(got, want))
+            check(results, f"moe_experts T={t} {variant}" + (f" splits {pf},{prmt}" if mma else ""), rel(got, want))
         tri.MOE_STREAM.update(saved_st)
+        tri.MOE_MMA.update(saved_mma)
     if streams_only:
         return
     x = torch.randn(7, HID, device=DEV, dtype=ACT, generator=GEN)
@@ -232,11 +236,18 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     w1, w3, w2 = fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, HID, INTER)
     per_expert = sum(w.nbytes() for w in (w1, w3, w2)) / N_EXP
     def cfg_of() -> dict:
+        if tri.MOE_MMA["on"]:
+            return {"MMA": True, **{k: v for k, v in tri.MOE_MMA.items() if k != "on"}}
         if tri.MOE_STREAM["on"]:
             return {"STREAM": True, **{k: v for k, v in tri.MOE_STREAM.items() if k != "on"}}
         return {"DOT": True, **tri.MOE_DOT_M1}
 
     def apply(cfg: dict) -> None:
+        tri.MOE_MMA["on"] = bool(cfg.get("MMA"))
+        if cfg.get("MMA"):  # the one-token tensor-core kernels (their own one-token plan: the stream's)
+            tri.MOE_STREAM["on"] = True
+            tri.MOE_MMA.update({k: v for k, v in cfg.items() if k != "MMA"})
+            return
         tri.MOE_STREAM["on"] = bool(cfg.get("STREAM"))
         if cfg.get("STREAM"):  # the one-token dot-free stream (t = 1 only)
             tri.MOE_STREAM.update({k: v for k, v in cfg.items() if k != "STREAM"})
@@ -254,8 +265,11 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         configs += [{"STREAM": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((64, 4, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (16, 16, 4, 2),
                                           (32, 16, 8, 2), (8, 16, 2, 2), (16, 8, 4, 2), (8, 8, 1, 2))]
+        # the one-token tensor-core kernels' K splits (gate/up, down)
+        configs += [{"MMA": True, "SPLIT_UP": u, "SPLIT_DOWN": dn}
+                    for u, dn in ((4, 2), (2, 2), (4, 4), (2, 4), (8, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
-    if all(c.get("STREAM") for c in configs):  # T > 1 needs a batched form
+    if all(c.get("STREAM") or c.get("MMA") for c in configs):  # T > 1 needs a batched form
         configs.append({"DOT": True, **tri.MOE_DOT_M1})
     for t in ((1, 4) if SMALL else (1, 4, 16, 64)):
         sets = []
@@ -270,7 +284,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         best = None
         timed = []
         for cfg in configs:
-            if cfg.get("STREAM") and t != 1:
+            if (cfg.get("STREAM") or cfg.get("MMA")) and t != 1:
                 continue
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
@@ -297,7 +311,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         print(f"moe T={t} whole op, eager (host-bound: torch routing tables + 3 launches): {full*1e3:.1f} us",
               flush=True)
         # the 3 fastest batched forms go on to larger T (the stream is one-token only)
-        configs = [c for _, c in sorted(timed, key=lambda p: p[0]) if not c.get("STREAM")][:3]
+        configs = [c for _, c in sorted(timed, key=lambda p: p[0]) if not (c.get("STREAM") or c.get("MMA"))][:3]
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]
 
 

@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 
@@ -26,6 +27,7 @@ from ...streams import BRANCHES, stream_key
 from .. import QWeight
 from .. import reference as _ref
 from . import kernels as _compiled
+from .mma_layout import interleave_rows, mma_repack
 
 _INTERP: ModuleType | None = None
 
@@ -354,9 +356,82 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
     return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot}
 
 
+# MXFP4 at one token on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`): the experts'
+# weights repacked once into the mma fragment layout (mma_layout.py; a second copy of each stack, made at its first
+# one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
+# run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2}
+_MMA_PACKED: dict[tuple[int, ...], tuple] = {}
+
+
+@functools.cache
+def _sm80(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _mma_on(x: torch.Tensor, inter: int) -> bool:
+    """Whether one token's experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide."""
+    d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
+    return (bool(MOE_MMA["on"]) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and _sm80(x.device)
+            and d % (128 * up) == 0 and inter % (256 * down) == 0)
+
+
+def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The repacked (words, scales) of one expert stack, or of two interleaved per 16 rows (w1 | w3), made at
+    first use and kept while the weights live."""
+    key = tuple(id(w.data) for w in ws)
+    hit = _MMA_PACKED.get(key)
+    if hit is not None and all(ref() is w.data for ref, w in zip(hit[0], ws, strict=True)):
+        return hit[1], hit[2]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("MXFP4 tensor-core weights first needed inside a CUDA graph capture: run the step once "
+                           "eagerly before capturing it (DecodeGraph does)")
+    e = ws[0].data.shape[0]
+    words, scales = [], []
+    for lo in range(0, e, 8):  # a few experts at a time: the interleaved copy is transient
+        d = [w.data[lo:lo + 8].view(torch.uint8) for w in ws]
+        s = [_u8(w.scale[lo:lo + 8]) for w in ws]
+        pw, ps = mma_repack(interleave_rows(*d), interleave_rows(*s)) if len(ws) == 2 else mma_repack(d[0], s[0])
+        words.append(pw)
+        scales.append(ps)
+    packed = (torch.cat(words), torch.cat(scales))
+    _MMA_PACKED[key] = ([weakref.ref(w.data) for w in ws], *packed)
+    weakref.finalize(ws[0].data, _MMA_PACKED.pop, key, None)
+    return packed
+
+
+def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
+    """hb [k, 2, I] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand."""
+    words, scales = _mma_weights(w1, w3)
+    k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
+    hb = _empty(k, 2, inter, dtype=torch.bfloat16, device=x.device)
+    part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
+               _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
+               HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), num_warps=1)
+    return hb
+
+
+def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple, out: torch.Tensor | None,
+              add: torch.Tensor | None) -> torch.Tensor:
+    words, scales = _mma_weights(w2)
+    k, inter, d, split = plan[-1], hb.shape[2], w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
+    fused = out is not None
+    c = out if fused else _empty(k, d, dtype=torch.float32, device=hb.device)
+    part = _empty(k * split, d, dtype=torch.float32, device=hb.device)
+    _Launch(hb)("moe_mma_down_kernel", (d // 16, k, split), hb, words, scales, plan[3],
+                weights.contiguous().reshape(-1), part, _locks(hb.device, d // 16 if fused else k * d // 16), c,
+                c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
+                HAS_ADD=add is not None, num_warps=1)
+    return c
+
+
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
-    """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert."""
+    """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
+    one-token tensor-core path (MOE_MMA) h is that kernel's [k, 2, I] bf16 split form, which moe_down takes."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
+    if bm == 1 and _mma_on(x, w1.data.shape[1]):
+        return _mma_gate_up(x, w1, w3, plan, limit)
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
     bn, groups, kw = _moe_cfg(launch, x, bm, x.shape[0])
@@ -378,6 +453,8 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     path h enters the dot in `dtype` (the activations' dtype). With `out` (one token, the stream path) the
     k rows are summed in order (plus `add`) into out in the same launch, and out is returned."""
     bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
+    if h.dim() == 3:  # the tensor-core gate/up's split h (one token)
+        return _mma_down(h, w2, weights, plan, out, add)
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
     bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)), True)

@@ -1244,6 +1244,280 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
 
 
 # ----------------------------------------------------------------------------------------------------
+# MXFP4 at one token on the tensor cores (CUDA sm_80+, inline PTX mma.sync m16n8k16 bf16 -> fp32)
+#
+# The weights are repacked once (ops: `mma_repack`) so that each lane's two 16-byte loads of a [16 rows x 128 K]
+# tile hold exactly its A fragments for the tile's 8 mma steps, with each code's bits placed so that one shift and
+# at most two masks make a bf16 pair of E2M1 x 2^-126 values (bf16 subnormals for the 0.5 code: exact on the
+# tensor cores). x is the B operand times 2^64 (so no product is an fp32 subnormal), block-diagonal over the
+# tile's 4 scale groups and split hi + lo in bf16 (columns 2q, 2q + 1 hold group q's two parts); so each
+# accumulator column holds one group's partial sum and one FMA a tile applies the group scales (times 2^62).
+# These kernels are written per thread: every address comes from the hardware lane id and each program is one
+# warp, so they do not depend on how Triton lays tensors over threads; the split-K sums and the epilogues are
+# ordinary Triton code over the tile's rows. Limits: |x| < 2^64; products below 2^-149 / 2^64 flush.
+
+
+@triton.jit
+def _lane(like):
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld16(ptr):
+    """16 bytes as 4 words (streamed once: no L1 allocation)."""
+    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return tl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _quad_sum(v):
+    """Sum over the 4 lanes of a fragment row (lane xor 1, 2)."""
+    v += tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;", "=f,f", [v], dtype=tl.float32,
+                                   is_pure=True, pack=1)
+    return v + tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=f,f", [v],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _a_regs(w):
+    """A word's 8 codes -> the lane's 4 A registers (see `mma_repack` for where each code's bits sit)."""
+    p0 = w & 0x81C081C0
+    p1 = ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000)
+    p2 = ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
+    p3 = ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _mma_step(w, b0, b1, act, c0, c1, c2, c3):
+    a0, a1, a2, a3 = _a_regs(w)
+    z = tl.zeros_like(b0)
+    return _mma_bf16(a0, a1, a2, a3, tl.where(act, b0, z), tl.where(act, b1, z), c0, c1, c2, c3)
+
+
+@triton.jit
+def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
+    """One [16 rows x 128 K] tile: 8 mma steps; the lane's B registers (xb*) are live in steps 2 gg, 2 gg + 1
+    (its column's group). Returns the tile's contribution to rows g and g + 8, group scales applied."""
+    c0 = tl.zeros_like(s0).to(tl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c0, c1, c2, c3 = _mma_step(w0, xb0, xb1, gg == 0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w1, xb2, xb3, gg == 0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w2, xb0, xb1, gg == 1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w3, xb2, xb3, gg == 1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w4, xb0, xb1, gg == 2, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w5, xb2, xb3, gg == 2, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w6, xb0, xb1, gg == 3, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w7, xb2, xb3, gg == 3, c0, c1, c2, c3)
+    return (c0 + c1) * _e8m0(s0, 62), (c2 + c3) * _e8m0(s1, 62)
+
+
+@triton.jit
+def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
+    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
+    part get zero), or PRESPLIT: pairs of an already split, scaled x read as they are."""
+    p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    v0 = tl.load(p)
+    v1 = tl.load(p + 4)
+    v2 = tl.load(p + 8)
+    v3 = tl.load(p + 12)
+    if not PRESPLIT:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 c; mov.b32 c, 0x5F805F80; mul.rn.bf16x2 $0, $4, c; mul.rn.bf16x2 $1, $5, c; "
+            "mul.rn.bf16x2 $2, $6, c; mul.rn.bf16x2 $3, $7, c; }", "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+        z = tl.zeros_like(v0)
+        v0 = tl.where(part == 0, v0, z)
+        v1 = tl.where(part == 0, v1, z)
+        v2 = tl.where(part == 0, v2, z)
+        v3 = tl.where(part == 0, v3, z)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
+                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
+    tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
+    arrive adds the SPLIT partials in order, applies the clamped SwiGLU and writes h times 2^64 split hi + lo
+    in bf16: hb [k, 2, I] (the down kernel's B operand as it is)."""
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    sk = tl.program_id(2)
+    n_ct = tl.num_programs(0)
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane = _lane(tl.zeros((32,), dtype=tl.int32))
+    g = lane // 4
+    t = lane % 4
+    gg = g // 2
+    part = g % 2
+    ktt = D // 128
+    kt = ktt // SPLIT
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
+    wg = w_ptr + (tile0 * 256 + lane * 8)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    xp = x_ptr + (sk * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3 = _ld16(wg)
+    a4, a5, a6, a7 = _ld16(wg + 4)
+    b0, b1, b2, b3 = _ld16(wu)
+    b4, b5, b6, b7 = _ld16(wu + 4)
+    gs0 = tl.load(sg)
+    gs1 = tl.load(sg + 1)
+    us0 = tl.load(su)
+    us1 = tl.load(su + 1)
+    x0, x1, x2, x3 = _mma_x(xp, part, False)
+    gt = tl.zeros((32,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    for i in range(kt):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
+        a0, a1, a2, a3 = _ld16(wg + n * 256)
+        a4, a5, a6, a7 = _ld16(wg + n * 256 + 4)
+        b0, b1, b2, b3 = _ld16(wu + n * 256)
+        b4, b5, b6, b7 = _ld16(wu + n * 256 + 4)
+        gs0 = tl.load(sg + n * 64)
+        gs1 = tl.load(sg + n * 64 + 1)
+        us0 = tl.load(su + n * 64)
+        us1 = tl.load(su + n * 64 + 1)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part, False)
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+        gt += top
+        gb += bot
+        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+        ut += top
+        ub += bot
+    pp = part_ptr + (j * SPLIT + sk) * 2 * I + c * 16 + g
+    tl.store(pp, _quad_sum(gt), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(gb), mask=t == 0)
+    tl.store(pp + I, _quad_sum(ut), mask=t == 0)
+    tl.store(pp + I + 8, _quad_sum(ub), mask=t == 0)
+    tl.debug_barrier()
+    lock_at = lock_ptr + j * n_ct + c
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+        q = tl.arange(0, SPLITP)[:, None]
+        ch = c * 16 + tl.arange(0, 16)[None, :]
+        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
+        ok = q < SPLIT
+        gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_LIMIT:
+            gs = tl.minimum(gs, limit)
+            us = tl.minimum(tl.maximum(us, -limit), limit)
+        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+        hi = h.to(tl.bfloat16)
+        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+        cho = c * 16 + tl.arange(0, 16)
+        tl.store(hb_ptr + j * 2 * I + cho, hi)
+        tl.store(hb_ptr + (j * 2 + 1) * I + cho, lo)
+        tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
+def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
+                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
+    rows over I / SPLIT, two tiles a step, with hb (the gate/up kernel's split h) as B. The last arrival adds
+    the partials in a fixed order: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
+    wt[j] sum_sk part (fp32 contributions)."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    sk = tl.program_id(2)
+    n_rt = tl.num_programs(0)
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane = _lane(tl.zeros((32,), dtype=tl.int32))
+    g = lane // 4
+    t = lane % 4
+    gg = g // 2
+    part = g % 2
+    ktt = I // 128
+    kt = ktt // SPLIT
+    tile0 = (e * n_rt + r) * ktt + sk * kt
+    wp = w_ptr + (tile0 * 256 + lane * 8)
+    sp = s_ptr + (tile0 * 64 + lane * 2)
+    xp = hb_ptr + ((j * 2 + part) * I + sk * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3 = _ld16(wp)
+    a4, a5, a6, a7 = _ld16(wp + 4)
+    b0, b1, b2, b3 = _ld16(wp + 256)
+    b4, b5, b6, b7 = _ld16(wp + 260)
+    as0 = tl.load(sp)
+    as1 = tl.load(sp + 1)
+    bs0 = tl.load(sp + 64)
+    bs1 = tl.load(sp + 65)
+    x0, x1, x2, x3 = _mma_x(xp, part, True)
+    x4, x5, x6, x7 = _mma_x(xp + 128, part, True)
+    top = tl.zeros((32,), dtype=tl.float32)
+    bot = top
+    for i in range(0, kt, 2):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
+        y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+        n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
+        a0, a1, a2, a3 = _ld16(wp + n * 256)
+        a4, a5, a6, a7 = _ld16(wp + n * 256 + 4)
+        b0, b1, b2, b3 = _ld16(wp + n * 256 + 256)
+        b4, b5, b6, b7 = _ld16(wp + n * 256 + 260)
+        as0 = tl.load(sp + n * 64)
+        as1 = tl.load(sp + n * 64 + 1)
+        bs0 = tl.load(sp + n * 64 + 64)
+        bs1 = tl.load(sp + n * 64 + 65)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part, True)
+        x4, x5, x6, x7 = _mma_x(xp + n * 128 + 128, part, True)
+        p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
+        top += p
+        bot += q
+        p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
+        top += p
+        bot += q
+    pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
+    tl.store(pp, _quad_sum(top), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(bot), mask=t == 0)
+    tl.debug_barrier()
+    rows = r * 16 + tl.arange(0, 16)
+    if SUM:
+        lock_at = lock_ptr + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * SPLIT - 1:
+            jj = tl.arange(0, TOPKP)[:, None, None]
+            ss = tl.arange(0, SPLIT)[None, :, None]
+            ok = jj < TOPK
+            parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
+            wts = tl.load(wt_ptr + tl.arange(0, TOPKP), mask=tl.arange(0, TOPKP) < TOPK, other=0.0).to(tl.float32)
+            tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+            if HAS_ADD:
+                tot += tl.load(add_ptr + rows).to(tl.float32)
+            tl.store(out_ptr + rows, tot.to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(lock_at, 0)
+    else:
+        lock_at = lock_ptr + j * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            ss = tl.arange(0, SPLIT)[:, None]
+            parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
+            tl.store(out_ptr + j * D + rows, tot)
+            tl.atomic_xchg(lock_at, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
 # ISA compile specs (pytest_cdna2/isa.py compiles each ahead of time for gfx90a and sm_90). One entry per
 # kernel at representative V4-Flash tiles; `matmul` says whether the kernel must contain MFMA (v_mfma).
 
@@ -1401,8 +1675,8 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True), 4, False),
 ]
 
-# Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above)
-# and the inline-PTX E2M1 decode (PRMT).
+# Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above),
+# the inline-PTX E2M1 decode (PRMT) and the one-token tensor-core MXFP4 kernels (inline PTX mma.sync).
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
@@ -1414,6 +1688,13 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
     ("moe_gate_up_stream_prmt", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as it runs on sm_90
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
+    ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
+     _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit",
+          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4), 1, True),
+    ("moe_mma_down", moe_mma_down_kernel,
+     _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
+          "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True),
+     1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),

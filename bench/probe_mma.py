@@ -1,0 +1,309 @@
+"""Can a one-token MXFP4 GEMV reach 0.8 of copy on the H200 when the weights are repacked for the tensor cores?
+
+The engine's stream decodes each E2M1 code and multiplies it in fp32: ~4.8 instructions a code, where 0.8 of copy
+allows ~4.9 (NOTES, runs 29-33). Triton's own tl.dot forms lost to it (run 29: x through shared memory each step).
+This probe takes the Marlin route instead: the weights are repacked once (at load time in an engine) so that each
+lane's 16-byte loads hold exactly its mma.sync m16n8k16 A fragments, with each code's bits placed so that a shift
+and a mask make a bf16 E2M1 x 2^-126 value (12 integer instructions per 8 codes, exact); x is the B operand,
+block-diagonal over the 4 scale groups of a 128-wide K tile and split hi + lo in bf16 (16 bits of x's mantissa);
+one FMA per accumulator and tile applies the group scales. The kernel is written per thread (SIMT): every address
+comes from the hardware lane and warp ids, so it does not depend on how Triton lays tensors out over threads.
+
+    python bench/probe_mma.py [--out DIR]          # on the GPU machine (sm_80+: inline PTX)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_kernels as B  # noqa: E402
+
+MAGPOS = (6, 9, 3, 0)  # pair j's magnitude bits in the low half of a word (+16 in the high half); see _pairs
+SIGNPOS = (15, 14, 13, 12)
+
+
+def repack(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed E2M1 [R, K/2] (uint8, element 2j low nibble) and UE8M0 [R, K/32] -> fragment-native words
+    [R/16, K/128, 32 lanes, 8 steps] (int32) and scales [R/16, K/128, 32 lanes, 2] (uint8).
+
+    Word (tile, lane = 4g + t, step) holds the 8 codes of lane's A fragment for rows g, g + 8 and k = 2t, 2t + 1,
+    2t + 8, 2t + 9 of the step's 16 columns: pair j = (row g + 8 (j & 1), k 2t + 8 (j >> 1) + h), its code's
+    magnitude at bit MAGPOS[j] + 16 h and its sign at SIGNPOS[j] + 16 h. Scales: rows g and g + 8, group t."""
+    r, k = w.shape[0], w.shape[1] * 2
+    assert r % 16 == 0 and k % 128 == 0, "rows a multiple of 16, K of 128"
+    codes = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(r, k).to(torch.int64)
+    c5 = codes.view(r // 16, 16, k // 128, 8, 16).permute(0, 2, 3, 1, 4)  # [RT, KT, step, row, k]
+    lane = torch.arange(32, device=w.device)
+    g, t = lane // 4, lane % 4
+    j = torch.arange(4, device=w.device)
+    h = torch.arange(2, device=w.device)
+    rows = (g[:, None, None] + 8 * (j[None, :, None] & 1)).expand(32, 4, 2)
+    cols = (2 * t[:, None, None] + 8 * (j[None, :, None] >> 1) + h[None, None, :]).expand(32, 4, 2)
+    sel = c5[:, :, :, rows, cols]  # [RT, KT, step, lane, j, h]
+    mag = torch.tensor(MAGPOS, device=w.device)[:, None] + 16 * h[None, :]
+    sgn = torch.tensor(SIGNPOS, device=w.device)[:, None] + 16 * h[None, :]
+    word = ((sel & 7) << mag).sum((-2, -1)) + ((sel >> 3) << sgn).sum((-2, -1))  # disjoint bits: sum = or
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).permute(0, 1, 3, 2).contiguous()
+    s4 = s.view(r // 16, 16, k // 128, 4).permute(0, 2, 1, 3)  # [RT, KT, row, group]
+    sc = torch.stack((s4[:, :, g, t], s4[:, :, g + 8, t]), dim=-1).contiguous()  # [RT, KT, lane, 2]
+    return word, sc
+
+
+@triton.jit
+def _tid(like):
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld4(ptr):
+    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _ldw(HINT: tl.constexpr, ptr):
+    if HINT:
+        return _ld4h(ptr)
+    else:
+        return _ld4(ptr)
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return tl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _bfly(v, MASK: tl.constexpr):
+    if MASK == 1:
+        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;", "=f,f", [v],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=f,f", [v],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pairs(w):
+    """A word's 8 codes -> the 4 A registers (bf16x2 of E2M1 x 2^-126: magnitude bits at the bf16
+    exponent/mantissa boundary, so code 1 (0.5) is a bf16 subnormal, exact on the tensor cores)."""
+    p0 = w & 0x81C081C0
+    p1 = ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000)
+    p2 = ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
+    p3 = ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _steps(w0, w1, w2, w3, w4, w5, w6, w7, bj0, bk0, bj1, bk1, act0, act1, act2, act3):
+    """One 128-wide K tile of one 16-row tile: 8 mma steps, each with its word; B is (bj, bk) for the lane's two
+    active steps (2 gg, 2 gg + 1) and zero in the others."""
+    z = tl.zeros_like(bj0)
+    zf = tl.zeros_like(bj0).to(tl.float32, bitcast=True)
+    c0, c1, c2, c3 = zf, zf, zf, zf
+    a0, a1, a2, a3 = _pairs(w0)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act0, bj0, z), tl.where(act0, bk0, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w1)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act0, bj1, z), tl.where(act0, bk1, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w2)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act1, bj0, z), tl.where(act1, bk0, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w3)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act1, bj1, z), tl.where(act1, bk1, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w4)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act2, bj0, z), tl.where(act2, bk0, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w5)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act2, bj1, z), tl.where(act2, bk1, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w6)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act3, bj0, z), tl.where(act3, bk0, z), c0, c1, c2, c3)
+    a0, a1, a2, a3 = _pairs(w7)
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act3, bj1, z), tl.where(act3, bk1, z), c0, c1, c2, c3)
+    return c0 + c1, c2 + c3
+
+
+@triton.jit
+def _bpair(x_ptr, k, part):
+    """x[k], x[k + 1] -> the bf16x2 B register: x * 2^64 split hi + lo in bf16, the lane's part."""
+    v0 = tl.load(x_ptr + k).to(tl.float32) * 18446744073709551616.0
+    v1 = tl.load(x_ptr + k + 1).to(tl.float32) * 18446744073709551616.0
+    h0 = v0.to(tl.bfloat16)
+    h1 = v1.to(tl.bfloat16)
+    q0 = tl.where(part == 0, h0, (v0 - h0.to(tl.float32)).to(tl.bfloat16))
+    q1 = tl.where(part == 0, h1, (v1 - h1.to(tl.float32)).to(tl.bfloat16))
+    return q0.to(tl.uint16, bitcast=True).to(tl.uint32) | (q1.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+
+@triton.jit
+def _bpair16(x_ptr, k, part):
+    """bf16 x: x[k], x[k + 1] as one word times 2^64 (one bf16x2 multiply, exact); the lo part is zero."""
+    v = tl.load((x_ptr + k).to(tl.pointer_type(tl.uint32), bitcast=True))
+    v = tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x5F805F80; mul.rn.bf16x2 $0, $1, c; }", "=r,r",
+                                  [v], dtype=tl.uint32, is_pure=True, pack=1)
+    return tl.where(part == 0, v, 0)
+
+
+@triton.jit
+def _ld4h(ptr):
+    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+                                     "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _scale(sb):
+    """UE8M0 byte -> 2^(s - 127) x 2^62 (undoes the 2^-126 of the A values and the 2^64 of x)."""
+    return ((sb.to(tl.int32) + 62) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_x(x_ptr, i, gg, t, part, XBF16: tl.constexpr):
+    """The lane's 4 B registers for tile i (its active steps 2 gg, 2 gg + 1)."""
+    kb = i * 128 + gg * 32 + 2 * t
+    if XBF16:
+        return _bpair16(x_ptr, kb, part), _bpair16(x_ptr, kb + 8, part), _bpair16(x_ptr, kb + 16, part), \
+            _bpair16(x_ptr, kb + 24, part)
+    return _bpair(x_ptr, kb, part), _bpair(x_ptr, kb + 8, part), _bpair(x_ptr, kb + 16, part), \
+        _bpair(x_ptr, kb + 24, part)
+
+
+@triton.jit
+def mma_gemv_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, NW: tl.constexpr, XBF16: tl.constexpr, SPLIT: tl.constexpr,
+                    HINT: tl.constexpr):
+    """y[16 rows per warp] = W x for one token: each warp one 16-row tile, all of K, two tiles an iteration,
+    the next two prefetched (weights, scales and x's B registers)."""
+    tid = _tid(tl.zeros((32 * NW,), dtype=tl.int32))  # one element per thread: no replicated (unstored) copies
+    lane = tid % 32
+    rt = tl.program_id(0) * NW + tid // 32
+    sk = tl.program_id(1)  # this warp's K part (partials to y[sk]: the probe sums them)
+    g = lane // 4
+    t = lane % 4
+    gg = g // 2
+    part = g % 2
+    KT = K // 128 // SPLIT
+    k0 = sk * KT * 128
+    wp = w_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 256 + lane * 8)  # this lane's 8 words of tile 0
+    sp = s_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 64 + lane * 2)
+    act0 = gg == 0
+    act1 = gg == 1
+    act2 = gg == 2
+    act3 = gg == 3
+    n0, n1, n2, n3 = _ldw(HINT, wp)
+    n4, n5, n6, n7 = _ldw(HINT, wp + 4)
+    m0, m1, m2, m3 = _ldw(HINT, wp + 256)
+    m4, m5, m6, m7 = _ldw(HINT, wp + 260)
+    ns0 = tl.load(sp)
+    ns1 = tl.load(sp + 1)
+    ms0 = tl.load(sp + 64)
+    ms1 = tl.load(sp + 65)
+    nb0, nb1, nb2, nb3 = _tile_x(x_ptr, k0 // 128, gg, t, part, XBF16)
+    mb0, mb1, mb2, mb3 = _tile_x(x_ptr, k0 // 128 + 1, gg, t, part, XBF16)
+    top = tl.zeros((32 * NW,), dtype=tl.float32)
+    bot = tl.zeros((32 * NW,), dtype=tl.float32)
+    for i in range(0, KT, 2):
+        w0, w1, w2, w3, w4, w5, w6, w7 = n0, n1, n2, n3, n4, n5, n6, n7
+        v0, v1, v2, v3, v4, v5, v6, v7 = m0, m1, m2, m3, m4, m5, m6, m7
+        s0, s1, r0, r1 = ns0, ns1, ms0, ms1
+        b0, b1, b2, b3 = nb0, nb1, nb2, nb3
+        c0, c1, c2, c3 = mb0, mb1, mb2, mb3
+        j = tl.minimum(i + 2, KT - 2)  # the last iteration reloads its own tiles (L2 hits, unused)
+        n0, n1, n2, n3 = _ldw(HINT, wp + j * 256)
+        n4, n5, n6, n7 = _ldw(HINT, wp + j * 256 + 4)
+        m0, m1, m2, m3 = _ldw(HINT, wp + j * 256 + 256)
+        m4, m5, m6, m7 = _ldw(HINT, wp + j * 256 + 260)
+        ns0 = tl.load(sp + j * 64)
+        ns1 = tl.load(sp + j * 64 + 1)
+        ms0 = tl.load(sp + j * 64 + 64)
+        ms1 = tl.load(sp + j * 64 + 65)
+        nb0, nb1, nb2, nb3 = _tile_x(x_ptr, k0 // 128 + j, gg, t, part, XBF16)
+        mb0, mb1, mb2, mb3 = _tile_x(x_ptr, k0 // 128 + j + 1, gg, t, part, XBF16)
+        ct, cb = _steps(w0, w1, w2, w3, w4, w5, w6, w7, b0, b1, b2, b3, act0, act1, act2, act3)
+        top += ct * _scale(s0)
+        bot += cb * _scale(s1)
+        ct, cb = _steps(v0, v1, v2, v3, v4, v5, v6, v7, c0, c1, c2, c3, act0, act1, act2, act3)
+        top += ct * _scale(r0)
+        bot += cb * _scale(r1)
+    top += _bfly(top, 1)
+    top += _bfly(top, 2)
+    bot += _bfly(bot, 1)
+    bot += _bfly(bot, 2)
+    row = rt * 16 + g + sk * (tl.num_programs(0) * NW * 16)
+    tl.store(y_ptr + row, top, mask=t == 0)
+    tl.store(y_ptr + row + 8, bot, mask=t == 0)
+
+
+def launch(words: torch.Tensor, sc: torch.Tensor, x: torch.Tensor, y: torch.Tensor, nw: int, split: int = 1,
+           hint: bool = False) -> None:
+    """y [split * rows] fp32: each K part's partial rows (split > 1: the caller sums them)."""
+    rt, kt = words.shape[0], words.shape[1]
+    mma_gemv_kernel[(rt // nw, split)](words, sc, x, y, kt * 128, nw, x.dtype == torch.bfloat16, split, hint,
+                                       num_warps=nw)
+
+
+VARIANTS = [(1, 1, False), (2, 1, False), (1, 2, False), (1, 4, False), (2, 4, False), (1, 1, True), (1, 4, True)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--check-only", action="store_true")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(0)
+    copy = B.copy_tbps()
+    out: dict = {"copy_TBps": copy, "runs": []}
+    print(f"copy {copy:.3f} TB/s", flush=True)
+    shapes = [("gate_up", 24576, 4096), ("down", 24576, 2048)]
+    for shape, rows, k in shapes:
+        data = []
+        for _ in range(4):  # 4 x 53 MB rotated: beyond the 60 MB L2
+            w = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+            s = torch.randint(118, 130, (rows, k // 32), dtype=torch.uint8, device=dev, generator=gen)
+            x = torch.randn(k, device=dev, generator=gen)
+            x = x if shape == "down" else x.to(torch.bfloat16)  # down reads the fp32 SwiGLU output
+            data.append((w, s, x))
+        W = B.ref.dequantize(B.QWeight(data[0][0].view(torch.int8), data[0][1].view(torch.float8_e8m0fnu),
+                                       "mxfp4"), torch.float64)
+        packed = [(*repack(w, s), x) for w, s, x in data]
+        for xs in (1.0, 1e-30, 1e20):  # tiny and large x: subnormal products and the 2^64 headroom
+            x = (data[0][2].double() * xs).to(data[0][2].dtype)
+            want = W @ x.double()
+            y = torch.full((rows,), float("nan"), device=dev)
+            launch(packed[0][0], packed[0][1], x, y, 4)
+            err = ((y.double() - want).norm() / want.norm()).item()
+            print(f"{shape} x*{xs:g}: rel err {err:.2e}", flush=True)
+            out["runs"].append({"shape": shape, "check": xs, "rel_err": err})
+        if a.check_only:
+            continue
+        nbytes = rows * k // 2 + rows * k // 32
+        for nw, split, hint in VARIANTS:
+            if (k // 128) % (2 * split):
+                continue
+            y = torch.full((rows * split,), float("nan"), device=dev)
+            launch(packed[0][0], packed[0][1], packed[0][2], y, nw, split, hint)
+            want = W @ packed[0][2].double()
+            err = ((y.view(split, rows).double().sum(0) - want).norm() / want.norm()).item()
+            ms = B.time_graph_ms(lambda wd, sc, x, y, nw=nw, sp=split, h=hint: launch(wd, sc, x, y, nw, sp, h),
+                                 [(*p, torch.empty(rows * split, device=dev)) for p in packed])
+            frac = nbytes / (ms * 1e-3) / 1e12 / copy
+            print(f"{shape:8s} mma num_warps={nw} split={split} hint={hint} {ms * 1e3:7.1f} us  {frac:.3f} of copy"
+                  f"  err {err:.1e}", flush=True)
+            out["runs"].append({"shape": shape, "num_warps": nw, "split": split, "hint": hint, "us": ms * 1e3,
+                                "frac": frac, "rel_err": err})
+    with open(os.path.join(a.out, "probe_mma.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The tensor-core MXFP4 layout (engine/ops/triton/mma_layout.py) against an independent reading of it.
+
+The kernels themselves are inline PTX (GPU only: bench/probe_mma.py and the GPU test below check them). Here the
+repacked words are read back the way mma.sync m16n8k16 consumes them, per the PTX ISA's fragment table: lane
+4g + t's A register j holds (row g + 8 (j & 1), column 2t + 8 (j >> 1) + h) in its half h, and the accumulator
+lane 4g + t holds rows g, g + 8 of column pair (2t, 2t + 1), here scale group t. Each register is made by the
+kernel's own bit recipe (`_a_regs`, restated in torch), read as bf16, times 2^126. The product with x must equal
+the dequantized reference exactly (every value and product is exact in float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cdna2_engine.ops import QWeight
+from cdna2_engine.ops import reference as ref
+from cdna2_engine.ops import triton as tri
+from cdna2_engine.ops.triton.mma_layout import interleave_rows, mma_repack
+
+M32 = 0xFFFFFFFF
+
+
+def a_regs(w: torch.Tensor) -> list[torch.Tensor]:
+    """kernels._a_regs on int64 holders of uint32 words."""
+    return [w & 0x81C081C0, ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000),
+            ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000), ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)]
+
+
+def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dense float64 W [R, K] from the repacked words and scales, through the fragment tables."""
+    rt, kt = words.shape[:2]
+    w = words.to(torch.int64) & M32  # [RT, KT, lane, step]
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    out = torch.zeros(rt * 16, kt * 128, dtype=torch.float64)
+    rows_t = torch.arange(rt)[:, None, None, None] * 16
+    cols_t = torch.arange(kt)[None, :, None, None] * 128 + torch.arange(8)[None, None, None, :] * 16
+    for j, reg in enumerate(a_regs(w)):
+        for h in range(2):
+            bits = ((reg >> (16 * h)) & 0xFFFF).to(torch.int32) << 16
+            v = bits.view(torch.float32).double() * 2.0**126
+            row = rows_t + (g + 8 * (j & 1))[None, None, :, None]
+            col = cols_t + (2 * t + 8 * (j >> 1) + h)[None, None, :, None]
+            out[row.expand_as(v), col.expand_as(v)] = v
+    # accumulator side: rows g, g + 8 and group t of each tile carry the lane's two scale bytes
+    s = scales.to(torch.int64)  # [RT, KT, lane, 2]
+    scale = torch.zeros(rt * 16, kt * 4, dtype=torch.float64)
+    for half in range(2):
+        row = (rows_t[..., 0] + (g + 8 * half)[None, None, :]).expand(rt, kt, 32)
+        grp = (torch.arange(kt)[None, :, None] * 4 + t[None, None, :]).expand(rt, kt, 32)
+        scale[row, grp] = torch.pow(2.0, s[..., half].double() - 127)
+    return out * scale.repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("e,r,k", [(1, 16, 128), (2, 48, 256), (3, 32, 384)])
+def test_repack_reads_back_as_the_reference(e, r, k):
+    g = torch.Generator().manual_seed(1000 + r + k)
+    data = torch.randint(-128, 128, (e, r, k // 2), generator=g, dtype=torch.int32).to(torch.int8)
+    scale = torch.randint(100, 150, (e, r, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    words, scales = mma_repack(data, scale)
+    assert words.shape == (e, r // 16, k // 128, 32, 8) and words.dtype == torch.int32
+    assert scales.shape == (e, r // 16, k // 128, 32, 2)
+    x = torch.randn(k, generator=g, dtype=torch.float64)
+    for i in range(e):
+        want = ref.dequantize(QWeight(data[i], scale[i].view(torch.float8_e8m0fnu), "mxfp4"), torch.float64)
+        got = read_back(words[i], scales[i])
+        assert torch.equal(got, want)  # every code and scale where the kernel reads it, exactly
+        assert torch.equal(got @ x, want @ x)
+
+
+def test_repack_chunks_agree(monkeypatch):
+    """Rows repacked in several chunks give the same words as in one."""
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(-128, 128, (64, 128), generator=g, dtype=torch.int32).to(torch.int8)
+    scale = torch.randint(100, 150, (64, 8), generator=g, dtype=torch.int32).to(torch.uint8)
+    whole = mma_repack(data, scale)
+    from cdna2_engine.ops.triton import mma_layout
+
+    monkeypatch.setattr(mma_layout, "ROWS_PER_CHUNK", 16)
+    parts = mma_repack(data, scale)
+    assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
+
+
+def test_interleave_rows():
+    a = torch.arange(32 * 3).reshape(32, 3)
+    b = -a
+    got = interleave_rows(a, b)
+    assert torch.equal(got[:16], a[:16]) and torch.equal(got[16:32], b[:16]) and torch.equal(got[32:48], a[16:])
+
+
+def test_repack_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="rows % 16"):
+        mma_repack(torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K % 128"):
+        mma_repack(torch.zeros(16, 32, dtype=torch.int8), torch.zeros(16, 2, dtype=torch.uint8))
+
+
+def test_tensor_core_path_is_off_on_the_cpu():
+    assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_experts_tensor_core_gpu(with_shared):
+    """The one-token tensor-core kernels against the reference at V4-Flash widths (bf16 x; h enters the down
+    GEMV split hi + lo in bf16: ~2^-17 relative, far inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
+    dev = torch.device("cuda")
+    if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048):
+        pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
+    g = torch.Generator(dev).manual_seed(11)
+    e, d, inter, k = 16, 4096, 2048, 6
+
+    def weight(n: int, kk: int) -> QWeight:
+        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
+        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
+        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
+    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
+    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
+    wt = torch.rand(1, k, generator=g, device=dev)
+    shared = (torch.randn(1, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
+    got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0,
+                           None if shared is None else shared.double())
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err <= 5e-3, err  # the output's own bf16 rounding is ~2^-9 = 2e-3
+    assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)), "not bit-reproducible"
+    hb = tri.moe_gate_up(x, w1, w3, tri.moe_prepare(x, idx, e), 7.0)
+    assert hb.dim() == 3 and hb.dtype == torch.bfloat16  # the tensor-core path ran
+    assert not tri._locks(dev, 0).any()
