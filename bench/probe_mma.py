@@ -10,6 +10,9 @@ one FMA per accumulator and tile applies the group scales. The kernel is written
 comes from the hardware lane and warp ids, so it does not depend on how Triton lays tensors out over threads.
 
     python bench/probe_mma.py [--out DIR]          # on the GPU machine (sm_80+: inline PTX)
+
+Results of 2026-11-30 (H200): bench/results/probe_mma_run51.json, bench/NOTES.md run 51. The engine's kernels
+(kernels.py `moe_mma_*`) grew from this one: two row tiles (gate, up) a warp, K split, in-launch sums.
 """
 
 from __future__ import annotations
