@@ -96,8 +96,30 @@ def test_repack_rejects_bad_shapes():
         mma_repack(torch.zeros(16, 32, dtype=torch.int8), torch.zeros(16, 2, dtype=torch.uint8))
 
 
+def test_repacked_weights_follow_their_tensors():
+    """The repacked copy is reused while its tensors stay the same, and made again when a scale is replaced by a
+    new tensor (faults.expert_scale_off_by_one does that) or changed in place."""
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(-128, 128, (2, 32, 64), generator=g, dtype=torch.int32).to(torch.int8)
+    scale = torch.randint(110, 140, (2, 32, 4), generator=g, dtype=torch.int32).to(torch.uint8)
+    w = QWeight(data, scale.view(torch.float8_e8m0fnu), "mxfp4")
+    first = tri._mma_weights(w)
+    assert tri._mma_weights(w)[0] is first[0]  # reused
+    bumped = QWeight(data, (scale + 1).view(torch.float8_e8m0fnu), "mxfp4")
+    again = tri._mma_weights(bumped)
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1] + 1)
+    scale[0, 0, 0] += 2  # in place, through the original QWeight's view
+    third = tri._mma_weights(w)
+    assert third[1][0, 0, 0, 0, 0] == first[1][0, 0, 0, 0, 0] + 2
+    del bumped, again
+    import gc
+
+    gc.collect()
+    assert all(entry[0][1]() is not None for entry in tri._MMA_PACKED.values())  # no entry outlives a tensor
+
+
 def test_tensor_core_path_is_off_on_the_cpu():
-    assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048)
+    assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048, 6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
@@ -107,7 +129,7 @@ def test_moe_experts_tensor_core_gpu(with_shared, monkeypatch):
     GEMV split hi + lo in bf16: ~2^-17 relative, far inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
     monkeypatch.setattr(tri, "POISON", True)  # every buffer the kernels write starts as NaN
     dev = torch.device("cuda")
-    if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048):
+    if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
     g = torch.Generator(dev).manual_seed(11)
     e, d, inter, k = 16, 4096, 2048, 6

@@ -369,21 +369,25 @@ def _sm80(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _mma_on(x: torch.Tensor, inter: int) -> bool:
-    """Whether one token's experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide."""
+def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
+    """Whether one token's k experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide,
+    arrival counters enough for gate/up's k x I/16 tiles."""
     d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
     return (bool(MOE_MMA["on"]) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and _sm80(x.device)
-            and d % (128 * up) == 0 and inter % (256 * down) == 0)
+            and d % (128 * up) == 0 and inter % (256 * down) == 0 and max(k * inter, d) // 16 <= LOCKS)
 
 
 def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """The repacked (words, scales) of one expert stack, or of two interleaved per 16 rows (w1 | w3), made at
-    first use and kept while the weights live."""
-    key = tuple(id(w.data) for w in ws)
+    first use and kept while the weights live; made again when any of their code or scale tensors is another
+    tensor (a fault injected as a new QWeight) or was changed in place (torch's version counter)."""
+    ts = [t for w in ws for t in (w.data, w.scale)]
+    key = tuple(id(t) for t in ts)
     hit = _MMA_PACKED.get(key)
-    if hit is not None and all(ref() is w.data for ref, w in zip(hit[0], ws, strict=True)):
-        return hit[1], hit[2]
-    if torch.cuda.is_current_stream_capturing():
+    if (hit is not None and all(ref() is t for ref, t in zip(hit[0], ts, strict=True))
+            and hit[1] == tuple(t._version for t in ts)):
+        return hit[2], hit[3]
+    if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("MXFP4 tensor-core weights first needed inside a CUDA graph capture: run the step once "
                            "eagerly before capturing it (DecodeGraph does)")
     e = ws[0].data.shape[0]
@@ -395,8 +399,9 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
         words.append(pw)
         scales.append(ps)
     packed = (torch.cat(words), torch.cat(scales))
-    _MMA_PACKED[key] = ([weakref.ref(w.data) for w in ws], *packed)
-    weakref.finalize(ws[0].data, _MMA_PACKED.pop, key, None)
+    _MMA_PACKED[key] = ([weakref.ref(t) for t in ts], tuple(t._version for t in ts), *packed)
+    for t in ts:  # dropped with the first of its tensors to go (e.g. a replaced scale)
+        weakref.finalize(t, _MMA_PACKED.pop, key, None)
     return packed
 
 
@@ -430,7 +435,7 @@ def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: f
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
     one-token tensor-core path (MOE_MMA) h is that kernel's [k, 2, I] bf16 split form, which moe_down takes."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
-    if bm == 1 and _mma_on(x, w1.data.shape[1]):
+    if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
         return _mma_gate_up(x, w1, w3, plan, limit)
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
