@@ -29,35 +29,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_kernels as B  # noqa: E402
 
-MAGPOS = (6, 9, 3, 0)  # pair j's magnitude bits in the low half of a word (+16 in the high half); see _pairs
-SIGNPOS = (15, 14, 13, 12)
-
-
-def repack(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed E2M1 [R, K/2] (uint8, element 2j low nibble) and UE8M0 [R, K/32] -> fragment-native words
-    [R/16, K/128, 32 lanes, 8 steps] (int32) and scales [R/16, K/128, 32 lanes, 2] (uint8).
-
-    Word (tile, lane = 4g + t, step) holds the 8 codes of lane's A fragment for rows g, g + 8 and k = 2t, 2t + 1,
-    2t + 8, 2t + 9 of the step's 16 columns: pair j = (row g + 8 (j & 1), k 2t + 8 (j >> 1) + h), its code's
-    magnitude at bit MAGPOS[j] + 16 h and its sign at SIGNPOS[j] + 16 h. Scales: rows g and g + 8, group t."""
-    r, k = w.shape[0], w.shape[1] * 2
-    assert r % 16 == 0 and k % 128 == 0, "rows a multiple of 16, K of 128"
-    codes = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(r, k).to(torch.int64)
-    c5 = codes.view(r // 16, 16, k // 128, 8, 16).permute(0, 2, 3, 1, 4)  # [RT, KT, step, row, k]
-    lane = torch.arange(32, device=w.device)
-    g, t = lane // 4, lane % 4
-    j = torch.arange(4, device=w.device)
-    h = torch.arange(2, device=w.device)
-    rows = (g[:, None, None] + 8 * (j[None, :, None] & 1)).expand(32, 4, 2)
-    cols = (2 * t[:, None, None] + 8 * (j[None, :, None] >> 1) + h[None, None, :]).expand(32, 4, 2)
-    sel = c5[:, :, :, rows, cols]  # [RT, KT, step, lane, j, h]
-    mag = torch.tensor(MAGPOS, device=w.device)[:, None] + 16 * h[None, :]
-    sgn = torch.tensor(SIGNPOS, device=w.device)[:, None] + 16 * h[None, :]
-    word = ((sel & 7) << mag).sum((-2, -1)) + ((sel >> 3) << sgn).sum((-2, -1))  # disjoint bits: sum = or
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).permute(0, 1, 3, 2).contiguous()
-    s4 = s.view(r // 16, 16, k // 128, 4).permute(0, 2, 1, 3)  # [RT, KT, row, group]
-    sc = torch.stack((s4[:, :, g, t], s4[:, :, g + 8, t]), dim=-1).contiguous()  # [RT, KT, lane, 2]
-    return word, sc
+from cdna2_engine.ops.triton import kernels as ek  # noqa: E402
+from cdna2_engine.ops.triton.mma_layout import mma_repack  # noqa: E402
 
 
 @triton.jit
@@ -66,74 +39,14 @@ def _tid(like):
 
 
 @triton.jit
-def _ld4(ptr):
-    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
 def _ldw(HINT: tl.constexpr, ptr):
+    """The engine's 16-byte load, or (HINT) the same with an L2 256-byte prefetch hint."""
     if HINT:
-        return _ld4h(ptr)
+        return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
+                                         "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
     else:
-        return _ld4(ptr)
-
-
-@triton.jit
-def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    return tl.inline_asm_elementwise(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _bfly(v, MASK: tl.constexpr):
-    if MASK == 1:
-        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;", "=f,f", [v],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=f,f", [v],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _pairs(w):
-    """A word's 8 codes -> the 4 A registers (bf16x2 of E2M1 x 2^-126: magnitude bits at the bf16
-    exponent/mantissa boundary, so code 1 (0.5) is a bf16 subnormal, exact on the tensor cores)."""
-    p0 = w & 0x81C081C0
-    p1 = ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000)
-    p2 = ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
-    p3 = ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)
-    return p0, p1, p2, p3
-
-
-@triton.jit
-def _steps(w0, w1, w2, w3, w4, w5, w6, w7, bj0, bk0, bj1, bk1, act0, act1, act2, act3):
-    """One 128-wide K tile of one 16-row tile: 8 mma steps, each with its word; B is (bj, bk) for the lane's two
-    active steps (2 gg, 2 gg + 1) and zero in the others."""
-    z = tl.zeros_like(bj0)
-    zf = tl.zeros_like(bj0).to(tl.float32, bitcast=True)
-    c0, c1, c2, c3 = zf, zf, zf, zf
-    a0, a1, a2, a3 = _pairs(w0)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act0, bj0, z), tl.where(act0, bk0, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w1)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act0, bj1, z), tl.where(act0, bk1, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w2)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act1, bj0, z), tl.where(act1, bk0, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w3)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act1, bj1, z), tl.where(act1, bk1, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w4)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act2, bj0, z), tl.where(act2, bk0, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w5)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act2, bj1, z), tl.where(act2, bk1, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w6)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act3, bj0, z), tl.where(act3, bk0, z), c0, c1, c2, c3)
-    a0, a1, a2, a3 = _pairs(w7)
-    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, tl.where(act3, bj1, z), tl.where(act3, bk1, z), c0, c1, c2, c3)
-    return c0 + c1, c2 + c3
+        return ek._ld16(ptr)
 
 
 @triton.jit
@@ -149,34 +62,12 @@ def _bpair(x_ptr, k, part):
 
 
 @triton.jit
-def _bpair16(x_ptr, k, part):
-    """bf16 x: x[k], x[k + 1] as one word times 2^64 (one bf16x2 multiply, exact); the lo part is zero."""
-    v = tl.load((x_ptr + k).to(tl.pointer_type(tl.uint32), bitcast=True))
-    v = tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x5F805F80; mul.rn.bf16x2 $0, $1, c; }", "=r,r",
-                                  [v], dtype=tl.uint32, is_pure=True, pack=1)
-    return tl.where(part == 0, v, 0)
-
-
-@triton.jit
-def _ld4h(ptr):
-    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
-                                     "=r,=r,=r,=r,l", [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _scale(sb):
-    """UE8M0 byte -> 2^(s - 127) x 2^62 (undoes the 2^-126 of the A values and the 2^64 of x)."""
-    return ((sb.to(tl.int32) + 62) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tile_x(x_ptr, i, gg, t, part, XBF16: tl.constexpr):
-    """The lane's 4 B registers for tile i (its active steps 2 gg, 2 gg + 1)."""
+    """The lane's 4 B registers for tile i (its active steps 2 gg, 2 gg + 1): bf16 x as the engine's gate/up reads
+    it, or fp32 x split hi + lo here (the engine's down kernel reads that split already made)."""
     kb = i * 128 + gg * 32 + 2 * t
     if XBF16:
-        return _bpair16(x_ptr, kb, part), _bpair16(x_ptr, kb + 8, part), _bpair16(x_ptr, kb + 16, part), \
-            _bpair16(x_ptr, kb + 24, part)
+        return ek._mma_x(x_ptr + kb, part, False)
     return _bpair(x_ptr, kb, part), _bpair(x_ptr, kb + 8, part), _bpair(x_ptr, kb + 16, part), \
         _bpair(x_ptr, kb + 24, part)
 
@@ -198,10 +89,6 @@ def mma_gemv_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, NW: tl.constexpr, XBF16: tl.c
     k0 = sk * KT * 128
     wp = w_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 256 + lane * 8)  # this lane's 8 words of tile 0
     sp = s_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 64 + lane * 2)
-    act0 = gg == 0
-    act1 = gg == 1
-    act2 = gg == 2
-    act3 = gg == 3
     n0, n1, n2, n3 = _ldw(HINT, wp)
     n4, n5, n6, n7 = _ldw(HINT, wp + 4)
     m0, m1, m2, m3 = _ldw(HINT, wp + 256)
@@ -231,16 +118,14 @@ def mma_gemv_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, NW: tl.constexpr, XBF16: tl.c
         ms1 = tl.load(sp + j * 64 + 65)
         nb0, nb1, nb2, nb3 = _tile_x(x_ptr, k0 // 128 + j, gg, t, part, XBF16)
         mb0, mb1, mb2, mb3 = _tile_x(x_ptr, k0 // 128 + j + 1, gg, t, part, XBF16)
-        ct, cb = _steps(w0, w1, w2, w3, w4, w5, w6, w7, b0, b1, b2, b3, act0, act1, act2, act3)
-        top += ct * _scale(s0)
-        bot += cb * _scale(s1)
-        ct, cb = _steps(v0, v1, v2, v3, v4, v5, v6, v7, c0, c1, c2, c3, act0, act1, act2, act3)
-        top += ct * _scale(r0)
-        bot += cb * _scale(r1)
-    top += _bfly(top, 1)
-    top += _bfly(top, 2)
-    bot += _bfly(bot, 1)
-    bot += _bfly(bot, 2)
+        ct, cb = ek._mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, b0, b1, b2, b3, gg, s0, s1)
+        top += ct
+        bot += cb
+        ct, cb = ek._mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, c0, c1, c2, c3, gg, r0, r1)
+        top += ct
+        bot += cb
+    top = ek._quad_sum(top)
+    bot = ek._quad_sum(bot)
     row = rt * 16 + g + sk * (tl.num_programs(0) * NW * 16)
     tl.store(y_ptr + row, top, mask=t == 0)
     tl.store(y_ptr + row + 8, bot, mask=t == 0)
@@ -278,7 +163,7 @@ def main() -> None:
             data.append((w, s, x))
         W = B.ref.dequantize(B.QWeight(data[0][0].view(torch.int8), data[0][1].view(torch.float8_e8m0fnu),
                                        "mxfp4"), torch.float64)
-        packed = [(*repack(w, s), x) for w, s, x in data]
+        packed = [(*mma_repack(w, s), x) for w, s, x in data]
         for xs in (1.0, 1e-30, 1e20):  # tiny and large x: subnormal products and the 2^64 headroom
             x = (data[0][2].double() * xs).to(data[0][2].dtype)
             want = W @ x.double()

@@ -1258,8 +1258,13 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
 
 
 @triton.jit
-def _lane(like):
-    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+def _lane_roles():
+    """This thread's (lane, g, t, gg, part): fragment row group g = lane // 4, column pair t = lane % 4, and for
+    the B operand its column's scale group gg = g // 2 and hi/lo part g % 2 (one [32] element per lane)."""
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((32,), dtype=tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+    g = lane // 4
+    return lane, g, lane % 4, g // 2, g % 2
 
 
 @triton.jit
@@ -1358,11 +1363,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
     sk = tl.program_id(2)
     n_ct = tl.num_programs(0)
     e = tl.load(e_ptr + j).to(tl.int64)
-    lane = _lane(tl.zeros((32,), dtype=tl.int32))
-    g = lane // 4
-    t = lane % 4
-    gg = g // 2
-    part = g % 2
+    lane, g, t, gg, part = _lane_roles()
     ktt = D // 128
     kt = ktt // SPLIT
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
@@ -1443,11 +1444,7 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     sk = tl.program_id(2)
     n_rt = tl.num_programs(0)
     e = tl.load(e_ptr + j).to(tl.int64)
-    lane = _lane(tl.zeros((32,), dtype=tl.int32))
-    g = lane // 4
-    t = lane % 4
-    gg = g // 2
-    part = g % 2
+    lane, g, t, gg, part = _lane_roles()
     ktt = I // 128
     kt = ktt // SPLIT
     tile0 = (e * n_rt + r) * ktt + sk * kt
