@@ -440,7 +440,9 @@ def stream_sweep(results: dict, copy: float) -> None:
         idx = torch.randperm(N_EXP, device=DEV, generator=GEN)[:TOPK][None]
         sets.append((torch.randn(1, HID, device=DEV, dtype=ACT, generator=GEN), idx,
                      torch.rand(1, TOPK, device=DEV, generator=GEN)))
+    mma0 = tri.MOE_MMA["on"]
     tri.MOE_STREAM.update(on=True)
+    tri.MOE_MMA["on"] = False  # the streams themselves, not the tensor-core kernels that take one token by default
     for cfg in moe_cfgs:  # both launches (moe_experts: the down sums in-launch), then each alone
         tri.MOE_STREAM.update(cfg)
         planned = [(x, wt, tri.moe_prepare(x, idx, N_EXP)) for x, idx, wt in sets]
@@ -452,6 +454,7 @@ def stream_sweep(results: dict, copy: float) -> None:
         timed("  mxfp4 down M=1", cfg, lambda h, wt, plan, out: tri.moe_down(h, w2, wt, plan, out=out), hs,
               down_bytes)
     tri.MOE_STREAM.update(moe0)
+    tri.MOE_MMA["on"] = mma0
 
     ws = [fp8_weight(HEADS * HEAD_DIM, Q_LORA) for _ in range(8)]  # 8 x 32 MB
     xs = [torch.randn(1, Q_LORA, device=DEV, dtype=ACT, generator=GEN) for _ in range(8)]

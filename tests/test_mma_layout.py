@@ -97,8 +97,9 @@ def test_repack_rejects_bad_shapes():
 
 
 def test_repacked_weights_follow_their_tensors():
-    """The repacked copy is reused while its tensors stay the same, and made again when a scale is replaced by a
-    new tensor (faults.expert_scale_off_by_one does that) or changed in place."""
+    """The repacked copy is reused while its tensors stay the same, made again when a scale is replaced by a new
+    tensor (faults.expert_scale_off_by_one does that), and refreshed in its own buffers (a captured graph may read
+    them) when a tensor changes in place."""
     g = torch.Generator().manual_seed(3)
     data = torch.randint(-128, 128, (2, 32, 64), generator=g, dtype=torch.int32).to(torch.int8)
     scale = torch.randint(110, 140, (2, 32, 4), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -108,9 +109,10 @@ def test_repacked_weights_follow_their_tensors():
     bumped = QWeight(data, (scale + 1).view(torch.float8_e8m0fnu), "mxfp4")
     again = tri._mma_weights(bumped)
     assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1] + 1)
+    before = first[1][0, 0, 0, 0, 0].item()
     scale[0, 0, 0] += 2  # in place, through the original QWeight's view
     third = tri._mma_weights(w)
-    assert third[1][0, 0, 0, 0, 0] == first[1][0, 0, 0, 0, 0] + 2
+    assert third[1] is first[1] and third[1][0, 0, 0, 0, 0] == before + 2  # the same buffers, new contents
     del bumped, again
     import gc
 
@@ -137,6 +139,7 @@ def test_moe_experts_tensor_core_gpu(with_shared, monkeypatch):
     def weight(n: int, kk: int) -> QWeight:
         b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
         s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
+        s[:, ::97, ::5] = 200  # scale bytes past 192 (2^73): a decode that folds 2^62 into the exponent wraps
         return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
 
     w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
@@ -153,3 +156,25 @@ def test_moe_experts_tensor_core_gpu(with_shared, monkeypatch):
     hb = tri.moe_gate_up(x, w1, w3, tri.moe_prepare(x, idx, e), 7.0)
     assert hb.dim() == 3 and hb.dtype == torch.bfloat16  # the tensor-core path ran
     assert not tri._locks(dev, 0).any()
+
+
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])
+def test_tensor_core_kernels_compile_for_sm80(name):
+    """The path is enabled from sm_80 (`_sm80`), so its inline PTX must assemble there, not only on the ISA tier's
+    sm_90 (mul.bf16x2, for one, is sm_90-only)."""
+    import warnings
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cdna2_engine.ops.triton.kernels import ISA_SPECS_SM90
+    from pytest_cdna2.isa import with_defaults
+
+    _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == name)
+    sig, const = with_defaults(fn, dict(sig), dict(const))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"]
+    assert k.asm["cubin"]  # ptxas assembled it for sm_80

@@ -370,22 +370,26 @@ def _sm80(device: torch.device) -> bool:
 
 
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
-    """Whether one token's k experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide,
-    arrival counters enough for gate/up's k x I/16 tiles."""
+    """Whether one token's k experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide
+    (down's split a power of two), arrival counters for every tile of either launch."""
     d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
     return (bool(MOE_MMA["on"]) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and _sm80(x.device)
-            and d % (128 * up) == 0 and inter % (256 * down) == 0 and max(k * inter, d) // 16 <= LOCKS)
+            and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
+            and k * max(inter, d) // 16 <= LOCKS)
 
 
 def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """The repacked (words, scales) of one expert stack, or of two interleaved per 16 rows (w1 | w3), made at
-    first use and kept while the weights live; made again when any of their code or scale tensors is another
-    tensor (a fault injected as a new QWeight) or was changed in place (torch's version counter)."""
+    first use and kept while the weights live. Another code or scale tensor (a fault injected as a new QWeight)
+    gets its own copy; one changed in place (torch's version counter) is repacked into the same buffers at the next
+    eager call, so a captured CUDA graph reads the new values from then on (a replay alone does not repack)."""
     ts = [t for w in ws for t in (w.data, w.scale)]
     key = tuple(id(t) for t in ts)
+    versions = tuple(t._version for t in ts)
     hit = _MMA_PACKED.get(key)
-    if (hit is not None and all(ref() is t for ref, t in zip(hit[0], ts, strict=True))
-            and hit[1] == tuple(t._version for t in ts)):
+    if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
+        hit = None  # an id reused by a new tensor
+    if hit is not None and hit[1] == versions:
         return hit[2], hit[3]
     if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("MXFP4 tensor-core weights first needed inside a CUDA graph capture: run the step once "
@@ -399,7 +403,12 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
         words.append(pw)
         scales.append(ps)
     packed = (torch.cat(words), torch.cat(scales))
-    _MMA_PACKED[key] = ([weakref.ref(t) for t in ts], tuple(t._version for t in ts), *packed)
+    if hit is not None:  # changed in place: same buffers (a graph may hold them), new contents
+        hit[2].copy_(packed[0])
+        hit[3].copy_(packed[1])
+        _MMA_PACKED[key] = (hit[0], versions, hit[2], hit[3])
+        return hit[2], hit[3]
+    _MMA_PACKED[key] = ([weakref.ref(t) for t in ts], versions, *packed)
     for t in ts:  # dropped with the first of its tensors to go (e.g. a replaced scale)
         weakref.finalize(t, _MMA_PACKED.pop, key, None)
     return packed

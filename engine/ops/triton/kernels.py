@@ -1247,14 +1247,15 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
 # MXFP4 at one token on the tensor cores (CUDA sm_80+, inline PTX mma.sync m16n8k16 bf16 -> fp32)
 #
 # The weights are repacked once (ops: `mma_repack`) so that each lane's two 16-byte loads of a [16 rows x 128 K]
-# tile hold exactly its A fragments for the tile's 8 mma steps, with each code's bits placed so that one shift and
-# at most two masks make a bf16 pair of E2M1 x 2^-126 values (bf16 subnormals for the 0.5 code: exact on the
-# tensor cores). x is the B operand times 2^64 (so no product is an fp32 subnormal), block-diagonal over the
-# tile's 4 scale groups and split hi + lo in bf16 (columns 2q, 2q + 1 hold group q's two parts); so each
-# accumulator column holds one group's partial sum and one FMA a tile applies the group scales (times 2^62).
-# These kernels are written per thread: every address comes from the hardware lane id and each program is one
-# warp, so they do not depend on how Triton lays tensors over threads; the split-K sums and the epilogues are
-# ordinary Triton code over the tile's rows. Limits: |x| < 2^64; products below 2^-149 / 2^64 flush.
+# tile hold exactly its A fragments for the tile's 8 mma steps, with each code's bits placed so that shifts and
+# masks (`_a_regs`: 12 integer instructions a word of 8 codes) make bf16 pairs of E2M1 x 2^-126 values (bf16
+# subnormals for the 0.5 code: exact on the tensor cores). x is the B operand times 2^64 (so products of ordinary
+# activations stay fp32 normals), block-diagonal over the tile's 4 scale groups and split hi + lo in bf16 (columns
+# 2q, 2q + 1 hold group q's two parts); so each accumulator column holds one group's partial sum, and per tile the
+# lane undoes the 2^-62 and applies the group scales. These kernels are written per thread: every address comes
+# from the hardware lane id and each program is one warp, so they do not depend on how Triton lays tensors over
+# threads; the split-K sums and the epilogues are ordinary Triton code over the tile's rows (fixed-order trees).
+# Limits: |x| < 2^64 (bf16 x 2^64 must not overflow); a product |code x x| below about 2^-87 flushes to zero.
 
 
 @triton.jit
@@ -1326,13 +1327,15 @@ def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
     c0, c1, c2, c3 = _mma_step(w5, xb2, xb3, gg == 2, c0, c1, c2, c3)
     c0, c1, c2, c3 = _mma_step(w6, xb0, xb1, gg == 3, c0, c1, c2, c3)
     c0, c1, c2, c3 = _mma_step(w7, xb2, xb3, gg == 3, c0, c1, c2, c3)
-    return (c0 + c1) * _e8m0(s0, 62), (c2 + c3) * _e8m0(s1, 62)
+    two62 = 4611686018427387904.0  # undoes E2M1 x 2^-126 and x x 2^64 before the scale: no exponent wraps
+    return (c0 + c1) * two62 * _e8m0(s0, 0), (c2 + c3) * two62 * _e8m0(s1, 0)
 
 
 @triton.jit
 def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
     """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
-    part get zero), or PRESPLIT: pairs of an already split, scaled x read as they are."""
+    part get zero; x * 2^64 + -0 by fma.bf16x2, exact, which sm_80 has and mul.bf16x2 needs sm_90), or
+    PRESPLIT: pairs of an already split, scaled x read as they are."""
     p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     v0 = tl.load(p)
     v1 = tl.load(p + 4)
@@ -1340,8 +1343,9 @@ def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
     v3 = tl.load(p + 12)
     if not PRESPLIT:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            "{ .reg .b32 c; mov.b32 c, 0x5F805F80; mul.rn.bf16x2 $0, $4, c; mul.rn.bf16x2 $1, $5, c; "
-            "mul.rn.bf16x2 $2, $6, c; mul.rn.bf16x2 $3, $7, c; }", "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+            "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
+            "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
+            "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
             dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
         z = tl.zeros_like(v0)
         v0 = tl.where(part == 0, v0, z)
@@ -1356,7 +1360,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
     """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
     tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
-    arrive adds the SPLIT partials in order, applies the clamped SwiGLU and writes h times 2^64 split hi + lo
+    arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
     in bf16: hb [k, 2, I] (the down kernel's B operand as it is)."""
     c = tl.program_id(0)
     j = tl.program_id(1)
@@ -1436,8 +1440,8 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
                         SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
     """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
-    rows over I / SPLIT, two tiles a step, with hb (the gate/up kernel's split h) as B. The last arrival adds
-    the partials in a fixed order: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
+    rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
+    arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
     wt[j] sum_sk part (fp32 contributions)."""
     r = tl.program_id(0)
     j = tl.program_id(1)

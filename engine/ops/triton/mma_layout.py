@@ -4,8 +4,9 @@ mma.sync m16n8k16 hands each lane (g = lane // 4, t = lane % 4) of a warp the A 
 column 2t, 2t + 1, 2t + 8 or 2t + 9) of a 16 x 16 tile as four bf16 pairs. `mma_repack` stores the 8 codes a
 lane needs for one mma step in one int32 word, and a lane's 8 words of a [16 rows x 128 K] tile contiguously, so
 one warp reads a tile as 1 KB of consecutive 16-byte loads. Inside a word, pair j's two codes (h = 0, 1: columns
-+0 and +1) sit with their 3 magnitude bits at MAGPOS[j] + 16 h and their sign bit at SIGNPOS[j] + 16 h; one shift
-and two masks (`_a_regs`) move each pair to bits 6-8 and 15 of its bf16 halves: the bf16 E2M1 x 2^-126.
++0 and +1) sit with their 3 magnitude bits at MAGPOS[j] + 16 h and their sign bit at SIGNPOS[j] + 16 h; a mask
+(pair 0) or two shifts, two masks and an or (`_a_regs`) move each pair to bits 6-8 and 15 of its bf16 halves: the
+bf16 E2M1 x 2^-126.
 Pairs: j = 0 (row g, column 2t), 1 (row g + 8, 2t), 2 (row g, 2t + 8), 3 (row g + 8, 2t + 8).
 The scales follow the accumulator fragment instead: the lane holding output rows g and g + 8 and column pair
 (2t, 2t + 1), which is scale group t of the tile (x is block-diagonal over the tile's 4 groups), gets bytes
