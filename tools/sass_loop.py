@@ -11,6 +11,7 @@ last load: with PREFETCH the next step's loads should all precede the current st
     python tools/sass_loop.py                          # the launch defaults (MOE_STREAM(_DOWN), FP8_STREAM)
     python tools/sass_loop.py PREFETCH=True PRMT=True  # constexpr (or num_warps) overrides where the kernel has
     python tools/sass_loop.py --dump /tmp/sass         # them (PRMT is sm_90 only); --dump writes each loop body
+    python tools/sass_loop.py --only moe_mma_gate_up,moe_mma_down  # the tensor-core kernels (sm_90 only)
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def cases() -> dict[str, tuple]:
         "moe_down": ("moe_down_stream", _MOE_DOWN_INTS, down, MOE_STREAM_DOWN["num_warps"], 1),
         "fp8_stream": ("fp8_stream", _FP8_INTS, {**fp8, "UNIFORM": True, "SPLIT": 1}, FP8_STREAM["num_warps"], 1),
     }
+
+
+# The one-token tensor-core MXFP4 kernels (inline PTX: sm_90 only): name -> (ISA spec, runtime ints, codes a warp's
+# loop step covers: gate/up two 16 x 128 row tiles, down two 128-wide K tiles of one).
+MMA_CASES = {"moe_mma_gate_up": ("moe_mma_gate_up", dict(I=2048, D=4096), 4096),
+             "moe_mma_down": ("moe_mma_down", dict(D=4096, I=2048, TOPK=6), 4096)}
 
 
 def compile_case(spec: str, ints: dict, const: dict, warps: int, target: GPUTarget):
@@ -118,7 +125,8 @@ def summarize(loop: list[str], values: float, cuda: bool) -> str:
         kinds = sorted({re.search(r"LDG[.\w]*", loop[i]).group(0) for i in loads})
         shared = sum(1 for s in loop if re.search(r"\b(LDS|STS|STSM|BAR|SHFL)\b", s))
         spills = sum(1 for s in loop if re.search(r"\b(LDL|STL)\b", s))
-        extra = f"shared/sync/shfl={shared} spill ld/st={spills}"
+        hmma = sum(1 for s in loop if re.search(r"\bHMMA\b", s))
+        extra = f"shared/sync/shfl={shared} spill ld/st={spills}" + (f" hmma={hmma}" if hmma else "")
     else:
         loads = [i for i, s in enumerate(loop) if s.startswith(("global_load", "buffer_load"))]
         fmas = [i for i, s in enumerate(loop) if re.match(r"v_(fma|fmac|mac|pk_fma|fma_mix)_f32", s)]
@@ -167,6 +175,16 @@ def main() -> None:
             if args.dump:
                 Path(args.dump).mkdir(parents=True, exist_ok=True)
                 Path(args.dump, f"{name}_{tname}.txt").write_text("\n".join(loop) + "\n")
+    for name, (spec, ints, codes) in MMA_CASES.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        k, cx = compile_case(spec, ints, {k: v for k, v in over.items() if k != "num_warps"}, 1, TARGETS["sm_90"])
+        lines, regs = _sass(k.asm["cubin"])
+        loop = inner_loop(lines, True)
+        print(f"{name:11s} sm_90  warps=1 regs={regs}\n    {summarize(loop, codes / 32, True)}", flush=True)
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            Path(args.dump, f"{name}_sm_90.txt").write_text("\n".join(loop) + "\n")
 
 
 if __name__ == "__main__":
