@@ -1356,34 +1356,39 @@ def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
 
 
 @triton.jit
+def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
+    """A one-warp program's place: (row-tile program, slot j, K part sk, row-tile programs, slot j's expert, the
+    K tiles of a row tile, those of one part)."""
+    ktt = K // 128
+    return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+            tl.load(e_ptr + tl.program_id(1)).to(tl.int64), ktt, ktt // SPLIT)
+
+
+@triton.jit
+def _mma_tile_load(wp, sp, n):
+    """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: words, sp: scale bytes)."""
+    w0, w1, w2, w3 = _ld16(wp + n * 256)
+    w4, w5, w6, w7 = _ld16(wp + n * 256 + 4)
+    return w0, w1, w2, w3, w4, w5, w6, w7, tl.load(sp + n * 64), tl.load(sp + n * 64 + 1)
+
+
+@triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
     """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
     tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
     in bf16: hb [k, 2, I] (the down kernel's B operand as it is)."""
-    c = tl.program_id(0)
-    j = tl.program_id(1)
-    sk = tl.program_id(2)
-    n_ct = tl.num_programs(0)
-    e = tl.load(e_ptr + j).to(tl.int64)
+    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
-    ktt = D // 128
-    kt = ktt // SPLIT
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
     wg = w_ptr + (tile0 * 256 + lane * 8)
     wu = wg + ktt * 256
     sg = s_ptr + (tile0 * 64 + lane * 2)
     su = sg + ktt * 64
     xp = x_ptr + (sk * kt * 128 + gg * 32 + 2 * t)
-    a0, a1, a2, a3 = _ld16(wg)
-    a4, a5, a6, a7 = _ld16(wg + 4)
-    b0, b1, b2, b3 = _ld16(wu)
-    b4, b5, b6, b7 = _ld16(wu + 4)
-    gs0 = tl.load(sg)
-    gs1 = tl.load(sg + 1)
-    us0 = tl.load(su)
-    us1 = tl.load(su + 1)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
     x0, x1, x2, x3 = _mma_x(xp, part, False)
     gt = tl.zeros((32,), dtype=tl.float32)
     gb = gt
@@ -1395,14 +1400,8 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
         cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
         y0, y1, y2, y3 = x0, x1, x2, x3
         n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        a0, a1, a2, a3 = _ld16(wg + n * 256)
-        a4, a5, a6, a7 = _ld16(wg + n * 256 + 4)
-        b0, b1, b2, b3 = _ld16(wu + n * 256)
-        b4, b5, b6, b7 = _ld16(wu + n * 256 + 4)
-        gs0 = tl.load(sg + n * 64)
-        gs1 = tl.load(sg + n * 64 + 1)
-        us0 = tl.load(su + n * 64)
-        us1 = tl.load(su + n * 64 + 1)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
         x0, x1, x2, x3 = _mma_x(xp + n * 128, part, False)
         top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
         gt += top
@@ -1443,26 +1442,14 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
     wt[j] sum_sk part (fp32 contributions)."""
-    r = tl.program_id(0)
-    j = tl.program_id(1)
-    sk = tl.program_id(2)
-    n_rt = tl.num_programs(0)
-    e = tl.load(e_ptr + j).to(tl.int64)
+    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
-    ktt = I // 128
-    kt = ktt // SPLIT
     tile0 = (e * n_rt + r) * ktt + sk * kt
     wp = w_ptr + (tile0 * 256 + lane * 8)
     sp = s_ptr + (tile0 * 64 + lane * 2)
     xp = hb_ptr + ((j * 2 + part) * I + sk * kt * 128 + gg * 32 + 2 * t)
-    a0, a1, a2, a3 = _ld16(wp)
-    a4, a5, a6, a7 = _ld16(wp + 4)
-    b0, b1, b2, b3 = _ld16(wp + 256)
-    b4, b5, b6, b7 = _ld16(wp + 260)
-    as0 = tl.load(sp)
-    as1 = tl.load(sp + 1)
-    bs0 = tl.load(sp + 64)
-    bs1 = tl.load(sp + 65)
+    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
     x0, x1, x2, x3 = _mma_x(xp, part, True)
     x4, x5, x6, x7 = _mma_x(xp + 128, part, True)
     top = tl.zeros((32,), dtype=tl.float32)
@@ -1473,14 +1460,8 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
         ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
         y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
         n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
-        a0, a1, a2, a3 = _ld16(wp + n * 256)
-        a4, a5, a6, a7 = _ld16(wp + n * 256 + 4)
-        b0, b1, b2, b3 = _ld16(wp + n * 256 + 256)
-        b4, b5, b6, b7 = _ld16(wp + n * 256 + 260)
-        as0 = tl.load(sp + n * 64)
-        as1 = tl.load(sp + n * 64 + 1)
-        bs0 = tl.load(sp + n * 64 + 64)
-        bs1 = tl.load(sp + n * 64 + 65)
+        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
         x0, x1, x2, x3 = _mma_x(xp + n * 128, part, True)
         x4, x5, x6, x7 = _mma_x(xp + n * 128 + 128, part, True)
         p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
