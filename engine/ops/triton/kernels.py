@@ -989,7 +989,7 @@ def topk_kernel(s_ptr, idx_ptr, margin_ptr, W, stride_s,
     best = key  # the K-th pick's key after the loop (K >= 1)
     for t in tl.static_range(K):
         best = tl.max(key, axis=0)
-        tl.store(idx_ptr + row * K + t, 4294967295 - (best & 4294967295))
+        tl.store(idx_ptr + row * K + t, _key_index(best))
         key = tl.where(key == best, -9223372036854775807 - 1, key)
     if HAS_NEXT:
         margin = _key_value(best) - _key_value(tl.max(key, axis=0))
@@ -1007,6 +1007,12 @@ def _sort_key(v, w):
     bits = tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order = float order (an involution)
     return (order.to(tl.int64) << 32) | (4294967295 - w.to(tl.int64))
+
+
+@triton.jit
+def _key_index(key):
+    """The index (int64) a `_sort_key` key was made from."""
+    return 4294967295 - (key & 4294967295)
 
 
 @triton.jit
@@ -1029,13 +1035,12 @@ def topk_sort_kernel(s_ptr, idx_ptr, margin_ptr, mask_ptr, W, K, stride_s, strid
     ok = w < W
     v = tl.load(s_ptr + row * stride_s + w, mask=ok, other=float("-inf")).to(tl.float32)
     key = tl.where(ok, _sort_key(v, w), -9223372036854775807 - 1)
-    low = tl.full([BLOCK_W], 4294967295, tl.int64)  # the low 32 bits
     srt = tl.sort(key, descending=True)
     kth = tl.sum(tl.where(w == K - 1, srt, 0), axis=0)
     if MASK:
         tl.store(mask_ptr + row * stride_m + w, ((key >= kth) & (v != float("-inf"))).to(tl.int8), mask=ok)
     if IDX:
-        tl.store(idx_ptr + row * K + w, low - (srt & low), mask=w < K)
+        tl.store(idx_ptr + row * K + w, _key_index(srt), mask=w < K)
         vk = tl.sum(tl.where(key == kth, v, 0.0), axis=0)
         nxt = tl.sum(tl.where(w == K, srt, 0), axis=0)
         vn = tl.sum(tl.where((key == nxt) & ok, v, 0.0), axis=0)
@@ -1082,7 +1087,7 @@ def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stri
         else:
             best = tl.max(key, axis=0)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
-            i = (4294967295 - (best & 4294967295)).to(tl.int32)
+            i = _key_index(best).to(tl.int32)
             kth = _key_value(best)
         picked = tl.where(kk == t, i, picked)
     wk = tl.sum(tl.where((w[None, :] == picked[:, None]) & (kk < K)[:, None], sc[None, :], 0.0), axis=1)
