@@ -192,16 +192,19 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
         saved_st, saved_mma = dict(tri.MOE_STREAM), dict(tri.MOE_MMA)
-        # the one-token stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA only), and
-        # the tensor-core kernels (CUDA sm_80+, bf16: off in --small) at two K splits
-        streams = [("stream", False, False), ("stream prefetch", True, False), ("stream prmt", False, True),
-                   ("stream prefetch prmt", True, True), ("mma", 4, 2), ("mma", 2, 4)]
-        for variant, pf, prmt in (streams + [("dot", False, False)]) if t == 1 else [("dot", False, False)]:
-            mma = variant == "mma"
-            tri.MOE_STREAM.update(on=variant != "dot", PREFETCH=pf and not mma, PRMT=prmt and not mma)
-            tri.MOE_MMA.update(on=mma, SPLIT_UP=pf if mma else 4, SPLIT_DOWN=prmt if mma else 2)
-            got = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
-            check(results, f"moe_experts T={t} {variant}" + (f" splits {pf},{prmt}" if mma else ""), rel(got, want))
+        # the one-token forms: the stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA
+        # only), and the tensor-core kernels (CUDA sm_80+, bf16: the stream in --small) at two K splits
+        off = dict(on=False)
+        one = [("stream", dict(PREFETCH=False, PRMT=False), off),
+               ("stream prefetch", dict(PREFETCH=True, PRMT=False), off),
+               ("stream prmt", dict(PREFETCH=False, PRMT=True), off),
+               ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
+               ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
+               ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4))]
+        for variant, stream, mma in (one if t == 1 else []) + [("dot", {}, off)]:
+            tri.MOE_STREAM.update(saved_st, on=variant != "dot", **stream)
+            tri.MOE_MMA.update(saved_mma, **mma)
+            check(results, f"moe_experts T={t} {variant}", rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want))
         tri.MOE_STREAM.update(saved_st)
         tri.MOE_MMA.update(saved_mma)
     if streams_only:
