@@ -1505,6 +1505,143 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
 
 
 # ----------------------------------------------------------------------------------------------------
+# FP8 at one token on the tensor cores (CUDA sm_80+, the same mma.sync as above), on the checkpoint's own layout.
+#
+# A lane's 16-byte load of a weight row is 16 consecutive K of it, and the 4 lanes of a fragment row read 64
+# consecutive bytes. The mma sums over K in any order as long as A and B agree, so a lane's word i serves as its A
+# columns (2t, 2t + 1 | 2t + 8, 2t + 9) of mma step i, and its B registers are the same 4 x values, read
+# in the same way: no repacking. Each E4M3 byte becomes bf16 of its value x 2^-120 in 3 integer instructions a pair
+# (`_e4m3_bf16x2`; exact, E4M3 subnormals land on bf16 subnormals, as the bit decode above); x is B times 2^64 as in
+# the MXFP4 kernels. All 8 B columns hold x, so accumulator column 0 (lanes t = 0) is the row sum.
+# Limits: as the MXFP4 kernels (|x| < 2^64; products below about 2^-70 flush); NaN codes (0x7F, 0xFF) decode as
+# finite values, as the bit decode does (checkpoints carry none; the weight tier checks the scales).
+
+
+@triton.jit
+def _ld16x(ptr):
+    """16 bytes as 4 words, cached (x: every program of the launch reads it)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3_bf16x2(w):
+    """A word's 4 E4M3 bytes -> bf16 pairs (bytes 0, 1) and (2, 3) of value x 2^-120: each byte with its sign
+    replicated into the byte above (prmt), shifted left 4 and masked, puts s at bit 15 and eeee|mmm at 10..4."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; prmt.b32 a, $2, $2, 0x9180; prmt.b32 b, $2, $2, 0xB3A2; shl.b32 a, a, 4; "
+        "shl.b32 b, b, 4; and.b32 $0, a, 0x87F087F0; and.b32 $1, b, 0x87F087F0; }",
+        "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_2_64(v0, v1, v2, v3):
+    """4 bf16 pairs times 2^64 (fma.bf16x2 with -0: exact, and sm_80 has it)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
+        "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
+        "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_mma_load(wp, wp8, k, NL: tl.constexpr):
+    """The lane's 8 NL words of the step at column k: NL consecutive 16-byte loads of row g (wp) and of row g + 8
+    (wp8); the pointers already include the lane's 16 NL t bytes."""
+    r = ()
+    for j in tl.static_range(NL):
+        r = r + _ld16(wp + k + 16 * j)
+    for j in tl.static_range(NL):
+        r = r + _ld16(wp8 + k + 16 * j)
+    return r
+
+
+@triton.jit
+def _fp8_mma_x(xp, keep, NL: tl.constexpr):
+    """The lane's 8 NL B registers of a step: its 16 NL x values at xp times 2^64, zero where not keep."""
+    r = ()
+    for j in tl.static_range(2 * NL):
+        x0, x1, x2, x3 = _x_2_64(*_ld16x(xp + 8 * j))
+        if NL > 2:
+            z = tl.zeros_like(x0)
+            x0, x1, x2, x3 = tl.where(keep, x0, z), tl.where(keep, x1, z), tl.where(keep, x2, z), tl.where(keep, x3, z)
+        r = r + (x0, x1, x2, x3)
+    return r
+
+
+@triton.jit
+def fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, R, K, stride_xg, stride_wn, stride_sn,
+                   stride_yg, stride_ps, K_CHUNK, SPLIT: tl.constexpr, SPLITP: tl.constexpr, NL: tl.constexpr = 2,
+                   DEPTH: tl.constexpr = 1):
+    """One token, one warp a program: (16-row tile c, K part sk, group grp) streams W's rows grp * R + 16 c ..
+    over [sk K_CHUNK, +K_CHUNK) in steps of 64 NL columns (NL = 2: one scale block; 4: two, block b's x in B
+    column b only), each lane reading 16 NL consecutive bytes of rows g and g + 8, the loads DEPTH steps ahead of
+    the mma. y[grp, rows] in y's dtype; SPLIT > 1: the partials ([SPLIT, G, R] fp32 at part_ptr, y's strides)
+    are added by the last to arrive."""
+    c = tl.program_id(0)
+    sk = tl.program_id(1)
+    grp = tl.program_id(2)
+    lane, g, t, _, _ = _lane_roles()
+    KW: tl.constexpr = 64 * NL
+    row0 = grp * R + c * 16
+    k_lo = sk * K_CHUNK
+    steps = (tl.minimum(K - k_lo, K_CHUNK)) // KW
+    wp = w_ptr + ((row0 + g).to(tl.int64) * stride_wn + k_lo + t * 16 * NL)
+    wp8 = wp + 8 * stride_wn
+    xp = x_ptr + (grp * stride_xg + k_lo + t * 16 * NL)
+    sp = s_ptr + ((row0 // 128) * stride_sn + k_lo // 128)
+    keep = g == t // 2  # NL = 4: B column 0 holds the first scale block's x, column 1 the second's
+    nxt = _fp8_mma_load(wp, wp8, 0, NL)
+    nxt2 = nxt
+    if DEPTH == 2:
+        nxt2 = _fp8_mma_load(wp, wp8, tl.minimum(1, steps - 1) * KW, NL)
+    top = tl.zeros((32,), dtype=tl.float32)
+    bot = top
+    two56 = 72057594037927936.0  # undoes E4M3 x 2^-120 and x x 2^64 before the scale: no exponent wraps
+    for i in range(steps):
+        cur = nxt
+        if DEPTH == 2:
+            nxt = nxt2
+            nxt2 = _fp8_mma_load(wp, wp8, tl.minimum(i + 2, steps - 1) * KW, NL)  # past the end: reloads (unused)
+        else:
+            nxt = _fp8_mma_load(wp, wp8, tl.minimum(i + 1, steps - 1) * KW, NL)
+        xb = _fp8_mma_x(xp + i * KW, keep, NL)
+        z = tl.zeros((32,), dtype=tl.float32)
+        q0, q1, q2, q3 = z, z, z, z
+        for j in tl.static_range(4 * NL):
+            a0, a2 = _e4m3_bf16x2(cur[j])
+            a1, a3 = _e4m3_bf16x2(cur[4 * NL + j])
+            q0, q1, q2, q3 = _mma_bf16(a0, a1, a2, a3, xb[2 * j], xb[2 * j + 1], q0, q1, q2, q3)
+        s0 = _e8m0(tl.load(sp + i * (NL // 2)), 0)
+        if NL == 2:
+            top += q0 * two56 * s0
+            bot += q2 * two56 * s0
+        else:
+            s1 = _e8m0(tl.load(sp + i * 2 + 1), 0)
+            top += q0 * two56 * s0 + q1 * two56 * s1
+            bot += q2 * two56 * s0 + q3 * two56 * s1
+    # lanes t = 0 hold rows g (top) and g + 8 (bot)
+    at = grp * stride_yg + c * 16 + g
+    if SPLIT == 1:
+        tl.store(y_ptr + at, top.to(y_ptr.dtype.element_ty), mask=t == 0)
+        tl.store(y_ptr + at + 8, bot.to(y_ptr.dtype.element_ty), mask=t == 0)
+    else:
+        # the last K part to arrive adds the partials by one fixed tree. Its tensors are made afresh (not from
+        # the lane-role ones, whose layout must stay one element a lane: a 2-D use would re-lay them)
+        tl.store(part_ptr + sk * stride_ps + at, top, mask=t == 0)
+        tl.store(part_ptr + sk * stride_ps + at + 8, bot, mask=t == 0)
+        tl.debug_barrier()
+        lock_at = lock_ptr + c + tl.num_programs(0) * grp
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            q = tl.arange(0, SPLITP)[:, None]
+            rows = grp * stride_yg + c * 16 + tl.arange(0, 16)
+            parts = tl.load(part_ptr + q * stride_ps + rows[None, :], mask=q < SPLIT, other=0.0,
+                            cache_modifier=".cg")
+            tl.store(y_ptr + rows, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty))
+            tl.atomic_xchg(lock_at, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
 # ISA compile specs (pytest_cdna2/isa.py compiles each ahead of time for gfx90a and sm_90). One entry per
 # kernel at representative V4-Flash tiles; `matmul` says whether the kernel must contain MFMA (v_mfma).
 
@@ -1682,6 +1819,9 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
           "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True),
      1, True),
+    ("fp8_mma", fp8_mma_kernel,  # the one-token tensor-core FP8 linear (inline PTX mma.sync), split K
+     _sig("x_ptr w_ptr s_ptr y_ptr part_ptr lock_ptr R K stride_xg stride_wn stride_sn stride_yg stride_ps K_CHUNK",
+          "*bf16 *u8 *u8 *bf16 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32", SPLIT=2, SPLITP=2), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
