@@ -11,7 +11,7 @@ last load: with PREFETCH the next step's loads should all precede the current st
     python tools/sass_loop.py                          # the launch defaults (MOE_STREAM(_DOWN), FP8_STREAM)
     python tools/sass_loop.py PREFETCH=True PRMT=True  # constexpr (or num_warps) overrides where the kernel has
     python tools/sass_loop.py --dump /tmp/sass         # them (PRMT is sm_90 only); --dump writes each loop body
-    python tools/sass_loop.py --only moe_mma_gate_up,moe_mma_down,fp8_mma  # tensor-core kernels (sm_90 only)
+    python tools/sass_loop.py --only moe_mma_gate_up,moe_mma_down  # the tensor-core kernels (sm_90 only)
 """
 
 from __future__ import annotations
@@ -57,11 +57,9 @@ def cases() -> dict[str, tuple]:
 
 
 # The one-token tensor-core MXFP4 kernels (inline PTX: sm_90 only): name -> (ISA spec, runtime ints, codes a warp's
-# loop step covers: gate/up two 16 x 128 row tiles, down two 128-wide K tiles of one; FP8 one 16 x 128 step).
+# loop step covers: gate/up two 16 x 128 row tiles, down two 128-wide K tiles of one).
 MMA_CASES = {"moe_mma_gate_up": ("moe_mma_gate_up", dict(I=2048, D=4096), 4096),
-             "moe_mma_down": ("moe_mma_down", dict(D=4096, I=2048, TOPK=6), 4096),
-             "fp8_mma": ("fp8_mma", dict(R=32768, K=1024, stride_xg=1024, stride_wn=1024, stride_sn=8,
-                                          stride_yg=32768, stride_ps=32768, K_CHUNK=1024), 2048)}
+             "moe_mma_down": ("moe_mma_down", dict(D=4096, I=2048, TOPK=6), 4096)}
 
 
 def compile_case(spec: str, ints: dict, const: dict, warps: int, target: GPUTarget):

@@ -169,20 +169,6 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
-# FP8 at one token on the tensor cores (fp8_mma_kernel: CUDA sm_80+, bf16 x, no fused norm or swiglu), before the
-# stream; min_warps: K is split until the launch has this many one-warp programs; NL: 16-byte loads a lane makes
-# of each of its two rows a step (2 or 4); DEPTH: steps the loads run ahead of the mma (1 or 2).
-FP8_MMA = {"on": True, "min_warps": 2048, "NL": 2, "DEPTH": 1}
-
-
-def _fp8_mma_on(x: torch.Tensor, wd: torch.Tensor, r: int, k: int) -> bool:
-    """One bf16 token on CUDA sm_80+ with 16-row tiles, whole steps and 16-byte aligned rows of W and x."""
-    return (bool(FP8_MMA["on"]) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and x.shape[0] == 1
-            and _sm80(x.device) and r % 16 == 0 and k % (64 * FP8_MMA["NL"]) == 0 and wd.stride(0) % 16 == 0
-            and wd.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0 and x.stride(1) % 8 == 0
-            and r // 16 * x.shape[1] <= LOCKS)
-
-
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None,
                  x_norm: tuple[torch.Tensor, float] | None = None, glu: float | None = None) -> torch.Tensor:
     """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype); x_norm and glu
@@ -198,16 +184,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
-    if x_norm is None and glu is None and _fp8_mma_on(x, wd, r, k):
-        tiles, kw = r // 16 * g, 64 * FP8_MMA["NL"]
-        split = max(1, min(k // kw, triton_cdiv(FP8_MMA["min_warps"], tiles)))
-        chunk = triton_cdiv(triton_cdiv(k, split), kw) * kw
-        split = triton_cdiv(k, chunk)
-        part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
-        launch("fp8_mma_kernel", (r // 16, split, g), x, wd, sd, y, part, _locks(x.device, tiles if split > 1 else 0),
-               r, k, x.stride(1), wd.stride(0), sd.stride(0), y.stride(1), part.stride(0), chunk, SPLIT=split,
-               SPLITP=_pow2(split, 1), NL=FP8_MMA["NL"], DEPTH=FP8_MMA["DEPTH"], num_warps=1)
-    elif m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
+    if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         long = k >= FP8_STREAM_LONG["min_k"]
         c = {**FP8_STREAM, **(FP8_STREAM_LONG if long else {})}  # (min_k rides along unread)
         if launch.cpu:
