@@ -125,11 +125,12 @@ def test_tensor_core_path_is_off_on_the_cpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_moe_experts_tensor_core_gpu(with_shared, monkeypatch):
+@pytest.mark.parametrize("with_shared,pdl", [(False, True), (True, True), (True, False)])
+def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
     """The one-token tensor-core kernels against the reference at V4-Flash widths (bf16 x; h enters the down
     GEMV split hi + lo in bf16: ~2^-17 relative, far inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
     monkeypatch.setattr(tri, "POISON", True)  # every buffer the kernels write starts as NaN
+    monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)  # down as a programmatic dependent of gate/up (sm_90) or not
     dev = torch.device("cuda")
     if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
@@ -161,7 +162,8 @@ def test_moe_experts_tensor_core_gpu(with_shared, monkeypatch):
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_sm80`), so its inline PTX must assemble there, not only on the ISA tier's
-    sm_90 (mul.bf16x2, for one, is sm_90-only)."""
+    sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch
+    (griddepcontrol is sm_90+, `_mma_pdl`)."""
     import warnings
 
     import triton
@@ -172,7 +174,7 @@ def test_tensor_core_kernels_compile_for_sm80(name):
     from pytest_cdna2.isa import with_defaults
 
     _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == name)
-    sig, const = with_defaults(fn, dict(sig), dict(const))
+    sig, const = with_defaults(fn, dict(sig), {**const, "PDL": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})

@@ -359,14 +359,20 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # MXFP4 at one token on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`): the experts'
 # weights repacked once into the mma fragment layout (mma_layout.py; a second copy of each stack, made at its first
 # one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
-# run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2}
+# run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above. PDL (sm_90): down is launched as
+# a programmatic dependent of gate/up, so its first weights load while gate/up finishes.
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
 @functools.cache
 def _sm80(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _mma_pdl(device: torch.device) -> bool:
+    """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+)."""
+    return bool(MOE_MMA["PDL"]) and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
@@ -422,7 +428,8 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
     _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
                _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
-               HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), num_warps=1)
+               HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device),
+               num_warps=1)
     return hb
 
 
@@ -430,13 +437,14 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
               add: torch.Tensor | None) -> torch.Tensor:
     words, scales = _mma_weights(w2)
     k, inter, d, split = plan[-1], hb.shape[2], w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
+    pdl = _mma_pdl(hb.device)
     fused = out is not None
     c = out if fused else _empty(k, d, dtype=torch.float32, device=hb.device)
     part = _empty(k * split, d, dtype=torch.float32, device=hb.device)
     _Launch(hb)("moe_mma_down_kernel", (d // 16, k, split), hb, words, scales, plan[3],
                 weights.contiguous().reshape(-1), part, _locks(hb.device, d // 16 if fused else k * d // 16), c,
                 c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
-                HAS_ADD=add is not None, num_warps=1)
+                HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 

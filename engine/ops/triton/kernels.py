@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # fp32 bits of the UE8M0 scale are (s << 23) (s = 0 maps to 0.0, not 2^-127; s = 255 is NaN in UE8M0).
 
@@ -1379,11 +1380,15 @@ def _mma_tile_load(wp, sp, n):
 
 @triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
-                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
     tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
-    in bf16: hb [k, 2, I] (the down kernel's B operand as it is)."""
+    in bf16: hb [k, 2, I] (the down kernel's B operand as it is). PDL (sm_90): the down launch may start once
+    every program of this one has started (it waits for this launch's end before it reads h)."""
+    if PDL:
+        gdc_launch_dependents()
     c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
@@ -1442,11 +1447,14 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 
 @triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
-                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
-    wt[j] sum_sk part (fp32 contributions)."""
+    wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the gate/up
+    launch): the first step's weights are loaded while gate/up still runs; nothing is read from or written to
+    memory the earlier launches write before the wait."""
     r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
@@ -1455,6 +1463,8 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     xp = hb_ptr + ((j * 2 + part) * I + sk * kt * 128 + gg * 32 + 2 * t)
     a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
+    if PDL:
+        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
     x0, x1, x2, x3 = _mma_x(xp, part, True)
     x4, x5, x6, x7 = _mma_x(xp + 128, part, True)
     top = tl.zeros((32,), dtype=tl.float32)
@@ -1677,11 +1687,12 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
      _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit",
-          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4), 1, True),
+          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4, PDL=True), 1,
+     True),
     ("moe_mma_down", moe_mma_down_kernel,
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
-          "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True),
-     1, True),
+          "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True,
+          PDL=True), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
