@@ -30,6 +30,7 @@ OP_NAMES = (
     "topk",
     "topk_mask",
     "route",
+    "router",
     "swiglu",
     "moe_experts",
 )
