@@ -339,6 +339,9 @@ class MoE:
         x2 = x.reshape(-1, D)
         m.side.hold(x2)
         start = m.side.mark()
+        logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
+        with m.side.beside(after=start):  # the shared expert beside the router and the routed experts' gate/up,
+            shared = self.shared(x2)  # issued after the router: a graph dispatches the router's grid first
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
         bias = w.get(p + "gate.bias")
@@ -346,17 +349,13 @@ class MoE:
         fixed = ctx.hash_experts.get(self.i) if self.hash else None
         if self.hash and fixed is None:
             fixed = w[p + "gate.tid2eid"][ids.reshape(-1)]
-        own = fixed is None and (forced is None or ctx.recording)  # forced: the engine's own pick is still recorded
+        if fixed is None and (forced is None or ctx.recording):  # forced: the engine's own pick is still recorded
+            idx, weights, margin = ops.route(logits, bias, *route)
+            ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
         if forced is not None:
             fixed = forced.reshape(-1, k)
-        # router logits in fp32 (fp64) and the routing: the engine's own pick, or the given experts' weights
-        logits, idx, weights, margin = ops.router(x2, w[p + "gate.weight"], bias, *route, None if own else fixed)
-        with m.side.beside(after=start):  # the shared expert beside the router and the routed experts' gate/up,
-            shared = self.shared(x2)  # issued after the router: a graph dispatches the router's grid first
-        if own:
-            ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
-            if fixed is not None:  # forced while recording: now the forced experts' weights
-                idx, weights, _ = ops.route(logits, bias, *route, fixed)
+        if fixed is not None:
+            idx, weights, _ = ops.route(logits, bias, *route, fixed)
         e = m.experts[self.i]
 
         def joined() -> torch.Tensor:  # called by moe_experts once it needs the shared expert: after gate/up

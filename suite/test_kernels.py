@@ -148,25 +148,6 @@ def test_route(ops, cdna2_device, scoring):
         assert torch.allclose(w.double().cpu(), rw.cpu(), rtol=1e-5, atol=0), f"route({scoring}) weights differ"
 
 
-@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
-def test_router(ops, dtype, cdna2_device, scoring):
-    """The router's logits and routing (for one token the triton backend does both in one launch, whose last
-    program to finish routes): discrete x and gate make the logits exact in any summation order, so the experts
-    (ties to the lower id) must be the reference's exactly; weights within fp32 rounding; hash routing too."""
-    torch.manual_seed(3 + len(scoring))
-    wdt = torch.float16 if cdna2_device.type == "cpu" else torch.bfloat16
-    x = (torch.randint(-4, 5, (1, 300)).float() / 2).to(cdna2_device, dtype)
-    gate = QWeight((torch.randint(-2, 3, (256, 300)).float() / 4).to(cdna2_device, wdt), None, "dense")
-    bias = (torch.randint(0, 3, (256,)).float() / 4).to(cdna2_device)
-    fixed = torch.randint(0, 256, (1, 6), dtype=torch.int32, device=cdna2_device)
-    for b, fx in ((bias, None), (None, fixed)):
-        logits, idx, w, _ = ops.router(x, gate, b, 6, scoring, 2.5, fx)
-        want = reference.router(f64(x), QWeight(f64(gate.data), None, "dense"), f64(b), 6, scoring, 2.5, fx)
-        assert torch.equal(logits.double().cpu(), want[0].cpu()), f"router({scoring}) logits differ"
-        assert torch.equal(idx.cpu(), want[1].cpu()), f"router({scoring}) picked other experts than the reference"
-        assert torch.allclose(w.double().cpu(), want[2].cpu(), rtol=1e-5, atol=0), f"router({scoring}) weights"
-
-
 @pytest.mark.parametrize("weighted", [False, True])
 def test_norm_rope(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, weighted):
     """q's per-head RMSNorm (unweighted) and kv's (weighted), each fused with RoPE."""

@@ -192,44 +192,6 @@ def test_route_matches_the_reference(scoring, t, e, k, bias, fixed):
         assert torch.allclose(got[2].double(), want[2], rtol=0, atol=8 * ulp)
 
 
-@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
-@pytest.mark.parametrize("e, k, d, gate_dtype", [(256, 6, 96, torch.float32), (37, 5, 40, torch.float16)])
-@pytest.mark.parametrize("bias, fixed", [(True, False), (False, False), (True, True)])
-def test_router_one_launch_matches_the_reference(scoring, e, k, d, gate_dtype, bias, fixed, monkeypatch):
-    """One token's logits and routing in one launch (the last program to finish routes): the logits of discrete
-    x and gate are exact in any order, so the experts (ties to the lower id) must match exactly; weights and
-    margin as `route`'s; the arrival counter is left zero; neither `linear` nor `route` is called."""
-    g = torch.Generator().manual_seed(e + k + d)
-    x = torch.randint(-4, 5, (1, d), generator=g).float() / 2
-    gate = (torch.randint(-2, 3, (e, d), generator=g).float() / 4).to(gate_dtype)
-    w = QWeight(gate, None, "dense")
-    b = (torch.randint(0, 3, (e,), generator=g).float() / 4) if bias else None
-    fx = torch.randint(0, e, (1, k), generator=g, dtype=torch.int32) if fixed else None
-    monkeypatch.setattr(tri, "route", None)  # the fused path calls neither
-    monkeypatch.setattr(tri, "linear", None)
-    logits, idx, wts, margin = tri.router(x, w, b, k, scoring, 2.5, fx)
-    want = ref.router(x.double(), QWeight(gate.double(), None, "dense"), None if b is None else b.double(), k,
-                      scoring, 2.5, fx)
-    assert torch.equal(logits.double(), want[0])
-    assert torch.equal(idx, want[1])
-    assert rel(wts, want[2]) <= 1e-6
-    if fixed:
-        assert margin.isinf().all()
-    else:
-        ulp = (want[0].abs().max() + (0 if b is None else b.abs().max())).item() * 2.0**-23
-        assert torch.allclose(margin.double(), want[3], rtol=0, atol=8 * ulp)
-    assert not tri._locks(x.device, 0).any()
-
-
-def test_router_of_several_tokens_is_linear_then_route():
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 64, generator=g)
-    w = QWeight(torch.randn(32, 64, generator=g), None, "dense")
-    got = tri.router(x, w, None, 4, "sigmoid", 1.0)
-    want = ref.router(x.double(), QWeight(w.data.double(), None, "dense"), None, 4, "sigmoid", 1.0)
-    assert torch.equal(got[1], want[1]) and rel(got[0], want[0]) <= 1e-6 and rel(got[2], want[2]) <= 1e-6
-
-
 def test_swiglu_on_views_of_one_projection():
     g = torch.Generator().manual_seed(5)
     both = torch.randn(3, 1, 2 * 1100, generator=g) * 6

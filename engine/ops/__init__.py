@@ -30,7 +30,6 @@ OP_NAMES = (
     "topk",
     "topk_mask",
     "route",
-    "router",
     "swiglu",
     "moe_experts",
 )

@@ -276,14 +276,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
     return idx, weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale, margin
 
 
-def router(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, k: int, scoring: str, scale: float,
-           fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """The MoE router: logits = x [T, D] @ W^T in x's accumulation dtype (fp32 from bf16 activations), then
-    `route`. Returns (logits, experts, weights, margin); a backend may do both in one launch."""
-    logits = linear(x, w, _acc(x.dtype))
-    return (logits, *route(logits, bias, k, scoring, scale, fixed))
-
-
 def moe_experts(
     x: torch.Tensor,
     w1: QWeight,

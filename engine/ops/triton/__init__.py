@@ -675,36 +675,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
     return idx, wts, margin
 
 
-ROUTER = {"fused": True}  # one decode token's router logits and routing in one launch (router_kernel)
-
-
-def router(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, k: int, scoring: str, scale: float,
-           fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """The MoE router (as reference.router): for one token with an unquantized gate of up to TOPK_MAX_WIDTH
-    experts and DENSE_GEMV_NARROW's MAX_K, one launch whose last program to finish routes; else `linear` then
-    `route`."""
-    e, d = w.data.shape
-    fused = (ROUTER["fused"] and w.kind == "dense" and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
-             and not _use_reference(x, w.data) and x.dtype != torch.float64 and 0 < k <= min(e, TOPK_MAX_K)
-             and e <= TOPK_MAX_WIDTH and d <= DENSE_GEMV_NARROW["MAX_K"] and scoring in SCORING)
-    if not fused:
-        logits = linear(x, w, torch.float32 if x.dtype != torch.float64 else x.dtype)
-        return (logits, *route(logits, bias, k, scoring, scale, fixed))
-    logits = _empty(1, e, dtype=torch.float32, device=x.device)
-    idx = _empty(1, k, dtype=torch.int64, device=x.device)
-    wts = _empty(1, k, dtype=torch.float32, device=x.device)
-    margin = _empty(1, dtype=torch.float32, device=x.device)
-    gd = w.data.contiguous()
-    bn = DENSE_GEMV_NARROW["BLOCK_N"]
-    _Launch(x)("router_kernel", (triton_cdiv(e, bn),), x, gd, logits, _locks(x.device, 1),
-               logits if bias is None else bias.float().contiguous(),
-               logits if fixed is None else fixed.reshape(1, k).contiguous(), idx, wts, margin, e, d, gd.stride(0),
-               float(scale), BLOCK_N=bn, BLOCK_D=_pow2(d), K=k, KP=_pow2(k, 2), SCORING=SCORING[scoring],
-               HAS_BIAS=bias is not None, FIXED=fixed is not None, HAS_NEXT=e > k, BLOCK_W=_pow2(e),
-               num_warps=DENSE_GEMV_NARROW["num_warps"])
-    return logits, idx, wts, margin
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU (as reference.swiglu) in one launch; gate and up may be row-strided views of one tensor."""
     if _use_reference(gate, up):

@@ -1057,12 +1057,17 @@ def _softplus(v):
 
 
 @triton.jit
-def _route_one(v, w, ok, row, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, scale, K: tl.constexpr,
-               KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, FIXED: tl.constexpr,
-               HAS_NEXT: tl.constexpr):
-    """One token's routing from its fp32 logits v over experts w (ok: w < W): scores (SCORING 0 sqrt(softplus),
-    1 sigmoid, 2 softmax), the experts (top-K of score + bias, ties to the lower id, as topk_kernel, one max per
-    pick; FIXED: given, for hash routing), their scores normalized to sum 1 times `scale`, the margin."""
+def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stride_l, scale,
+                 K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 FIXED: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token's MoE routing in one launch (it was ten small ones): scores of the router logits (SCORING 0
+    sqrt(softplus), 1 sigmoid, 2 softmax), the experts (top-K of score + bias, ties to the lower id, as
+    topk_kernel, one max per pick; FIXED: given, for hash routing), their scores normalized to sum 1 times
+    `scale`, the margin."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < W
+    v = tl.load(l_ptr + row * stride_l + w, mask=ok, other=0.0).to(tl.float32)
     if SCORING == 0:
         sc = tl.sqrt(_softplus(v))
     elif SCORING == 1:
@@ -1095,45 +1100,6 @@ def _route_one(v, w, ok, row, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, s
     else:
         margin = float("inf")
     tl.store(margin_ptr + row, margin)
-
-
-@triton.jit
-def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stride_l, scale,
-                 K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 FIXED: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One token's MoE routing in one launch (it was ten small ones): `_route_one` of row program_id(0)."""
-    row = tl.program_id(0).to(tl.int64)
-    w = tl.arange(0, BLOCK_W)
-    ok = w < W
-    v = tl.load(l_ptr + row * stride_l + w, mask=ok, other=0.0).to(tl.float32)
-    _route_one(v, w, ok, row, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, scale, K, KP, SCORING, HAS_BIAS,
-               FIXED, HAS_NEXT)
-
-
-@triton.jit
-def router_kernel(x_ptr, g_ptr, l_ptr, lock_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, D, stride_g,
-                  scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, FIXED: tl.constexpr, HAS_NEXT: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
-    """One token's router and routing in one launch: program p computes the fp32 logits of experts
-    [p BLOCK_N, +BLOCK_N) (the gate's rows widened to fp32, all of D in one load, as dense_gemv_kernel's narrow
-    tile), then counts itself in; the last program to arrive reads all W logits back and routes (`_route_one`),
-    then resets the counter (the split sums' pattern: integer atomic, acq_rel, the barrier before it)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
-    n_ok, d_ok = rn < W, rd < D
-    x = tl.load(x_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rn.to(tl.int64)[:, None] * stride_g + rd[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)
-    tl.store(l_ptr + rn, tl.sum(g * x[None, :], axis=1), mask=n_ok)
-    tl.debug_barrier()
-    if tl.atomic_add(lock_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        w = tl.arange(0, BLOCK_W)
-        ok = w < W
-        v = tl.load(l_ptr + w, mask=ok, other=0.0, cache_modifier=".cg")
-        _route_one(v, w, ok, 0, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, scale, K, KP, SCORING, HAS_BIAS,
-                   FIXED, HAS_NEXT)
-        tl.atomic_xchg(lock_ptr, 0)
 
 
 @triton.jit
@@ -1680,10 +1646,6 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("l_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W stride_l scale",
           "*fp32 *fp32 *i32 *i64 *fp32 *fp32 i32 i32 fp32", K=6, KP=8, SCORING=0, HAS_BIAS=False, FIXED=True,
           HAS_NEXT=True, BLOCK_W=256), 1, False),
-    ("router", router_kernel,  # the router's logits and the routing in one launch (one decode token)
-     _sig("x_ptr g_ptr l_ptr lock_ptr bias_ptr fixed_ptr idx_ptr w_ptr margin_ptr W D stride_g scale",
-          "*bf16 *bf16 *fp32 *i32 *fp32 *i32 *i64 *fp32 *fp32 i32 i32 i32 fp32", BLOCK_N=2, BLOCK_D=4096, K=6, KP=8,
-          SCORING=0, HAS_BIAS=True, FIXED=False, HAS_NEXT=True, BLOCK_W=256), 4, False),
     ("swiglu", swiglu_kernel,
      _sig("g_ptr u_ptr y_ptr I limit stride_g stride_u stride_y", "*bf16 *bf16 *bf16 i32 fp32 i32 i32 i32",
           HAS_LIMIT=True, BLOCK=1024), 4, False),
