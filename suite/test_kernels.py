@@ -136,14 +136,16 @@ def test_hc_post_pre(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, n)
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
 def test_route(ops, cdna2_device, scoring):
     """MoE routing in one kernel: the same experts as the reference (discrete logits: exact ties broken by the
-    lower id in any precision), weights within fp32 rounding, hash routing (given experts) too."""
+    lower id in any precision), weights within fp32 rounding, hash routing (given experts) too, also of experts
+    whose logits lie where e^v is 1e-4..1e-2 (log(1 + e^v) in fp32 is 1e-4 off there; log1p is not)."""
     torch.manual_seed(len(scoring))
     logits = (torch.randint(-8, 9, (5, 256)).float() / 2).to(cdna2_device)
     bias = (torch.randint(0, 3, (256,)).float() / 4).to(cdna2_device)
     fixed = torch.randint(0, 256, (5, 6), dtype=torch.int32, device=cdna2_device)
-    for b, fx in ((bias, None), (None, fixed)):
-        idx, w, _ = ops.route(logits, b, 6, scoring, 2.5, fx)
-        ridx, rw, _ = reference.route(f64(logits), f64(b), 6, scoring, 2.5, fx)
+    band = (-4.6 - torch.rand(5, 256) * 5).to(cdna2_device)
+    for lg, b, fx in ((logits, bias, None), (logits, None, fixed), (band, None, fixed)):
+        idx, w, _ = ops.route(lg, b, 6, scoring, 2.5, fx)
+        ridx, rw, _ = reference.route(f64(lg), f64(b), 6, scoring, 2.5, fx)
         assert torch.equal(idx.cpu(), ridx.cpu()), f"route({scoring}) picked other experts than the reference"
         assert torch.allclose(w.double().cpu(), rw.cpu(), rtol=1e-5, atol=0), f"route({scoring}) weights differ"
 

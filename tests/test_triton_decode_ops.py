@@ -192,6 +192,19 @@ def test_route_matches_the_reference(scoring, t, e, k, bias, fixed):
         assert torch.allclose(got[2].double(), want[2], rtol=0, atol=8 * ulp)
 
 
+@pytest.mark.parametrize("lo, hi", [(-9.6, -4.6), (-30.0, 30.0), (-0.5, 0.5)])
+def test_route_sqrtsoftplus_weights_keep_fp32_accuracy(lo, hi):
+    """Hash-routed experts may have any logit: the weights of given experts must stay within fp32 rounding of
+    the float64 reference over the whole range, also where e^v is 1e-4..1e-2 (there log(1 + e^v) in fp32 lost
+    up to 1.2e-4 relative, before log1p became a series)."""
+    g = torch.Generator().manual_seed(int(hi - lo))
+    logits = lo + torch.rand(4, 64, generator=g) * (hi - lo)
+    fx = torch.randint(0, 64, (4, 6), generator=g, dtype=torch.int32)
+    got = tri.route(logits, None, 6, "sqrtsoftplus", 2.5, fx)[1].double()
+    want = ref.route(logits.double(), None, 6, "sqrtsoftplus", 2.5, fx)[1]
+    assert ((got - want).abs() / want.abs()).max() <= 2e-6  # a few fp32 roundings of exp, the series and the sum
+
+
 def test_swiglu_on_views_of_one_projection():
     g = torch.Generator().manual_seed(5)
     both = torch.randn(3, 1, 2 * 1100, generator=g) * 6
