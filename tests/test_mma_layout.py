@@ -105,6 +105,7 @@ def test_repacked_weights_follow_their_tensors():
     scale = torch.randint(110, 140, (2, 32, 4), generator=g, dtype=torch.int32).to(torch.uint8)
     w = QWeight(data, scale.view(torch.float8_e8m0fnu), "mxfp4")
     first = tri._mma_weights(w)
+    assert first[2] and not tri._mma_weights(w)[2]  # just repacked, then not
     assert tri._mma_weights(w)[0] is first[0]  # reused
     bumped = QWeight(data, (scale + 1).view(torch.float8_e8m0fnu), "mxfp4")
     again = tri._mma_weights(bumped)
@@ -113,6 +114,7 @@ def test_repacked_weights_follow_their_tensors():
     scale[0, 0, 0] += 2  # in place, through the original QWeight's view
     third = tri._mma_weights(w)
     assert third[1] is first[1] and third[1][0, 0, 0, 0, 0] == before + 2  # the same buffers, new contents
+    assert third[2]  # just repacked: the down launch right after it goes without PDL
     del bumped, again
     import gc
 
@@ -157,6 +159,44 @@ def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
     hb = tri.moe_gate_up(x, w1, w3, tri.moe_prepare(x, idx, e), 7.0)
     assert hb.dim() == 3 and hb.dtype == torch.bfloat16  # the tensor-core path ran
     assert not tri._locks(dev, 0).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch: needs a CUDA GPU (sm_90)")
+def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
+    """Down launched as a programmatic dependent of gate/up (sm_90) reads its first weights before its wait: it
+    must give the bits of a plain launch, on the first call (weights repacked just before: launched plainly),
+    on repeats (gate/up and down adjacent: nothing poisoned in between) and after an in-place weight change."""
+    dev = torch.device("cuda")
+    if not (tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6)
+            and tri._compiled.PDL_AVAILABLE and tri._sm90(dev)):
+        pytest.skip("needs the tensor-core path and griddepcontrol (sm_90, Triton 3.4+)")
+    g = torch.Generator(dev).manual_seed(12)
+    e, d, inter, k = 16, 4096, 2048, 6
+
+    def weight(n: int, kk: int) -> QWeight:
+        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
+        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
+        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
+    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
+    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
+    wt = torch.rand(1, k, generator=g, device=dev)
+    plan = tri.moe_prepare(x, idx, e)
+
+    def run(pdl: bool) -> torch.Tensor:
+        monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)
+        return tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 7.0), w2, wt, plan)
+
+    first = run(True)  # w2 repacked right before down
+    plain = run(False)
+    assert torch.equal(first, plain)
+    for _ in range(3):
+        assert torch.equal(run(True), plain)
+    w2.scale.view(torch.uint8)[:, ::7] += 1  # in place: repacked into the same buffers at the next call
+    changed = run(True)
+    assert torch.equal(changed, run(False)) and not torch.equal(changed, plain)
+    assert torch.equal(run(True), changed)
 
 
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])

@@ -370,9 +370,15 @@ def _sm80(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+@functools.cache
+def _sm90(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _mma_pdl(device: torch.device) -> bool:
-    """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+)."""
-    return bool(MOE_MMA["PDL"]) and torch.cuda.get_device_capability(device) >= (9, 0)
+    """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+ and
+    Triton 3.4+ has it)."""
+    return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _sm90(device)
 
 
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
@@ -384,11 +390,13 @@ def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
             and k * max(inter, d) // 16 <= LOCKS)
 
 
-def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The repacked (words, scales) of one expert stack, or of two interleaved per 16 rows (w1 | w3), made at
-    first use and kept while the weights live. Another code or scale tensor (a fault injected as a new QWeight)
-    gets its own copy; one changed in place (torch's version counter) is repacked into the same buffers at the next
-    eager call, so a captured CUDA graph reads the new values from then on (a replay alone does not repack)."""
+def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The repacked (words, scales, just repacked?) of one expert stack, or of two interleaved per 16 rows
+    (w1 | w3), made at first use and kept while the weights live. Another code or scale tensor (a fault injected as
+    a new QWeight) gets its own copy; one changed in place (torch's version counter) is repacked into the same
+    buffers at the next eager call, so a captured CUDA graph reads the new values from then on (a replay alone does
+    not repack). Just repacked: the repack's kernels are the last launches, whose writes a programmatic dependent
+    launch may not see before its wait."""
     ts = [t for w in ws for t in (w.data, w.scale)]
     key = tuple(id(t) for t in ts)
     versions = tuple(t._version for t in ts)
@@ -396,7 +404,7 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
         hit = None  # an id reused by a new tensor
     if hit is not None and hit[1] == versions:
-        return hit[2], hit[3]
+        return hit[2], hit[3], False
     if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("MXFP4 tensor-core weights first needed inside a CUDA graph capture: run the step once "
                            "eagerly before capturing it (DecodeGraph does)")
@@ -413,16 +421,16 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
         hit[2].copy_(packed[0])
         hit[3].copy_(packed[1])
         _MMA_PACKED[key] = (hit[0], versions, hit[2], hit[3])
-        return hit[2], hit[3]
+        return hit[2], hit[3], True
     _MMA_PACKED[key] = ([weakref.ref(t) for t in ts], versions, *packed)
     for t in ts:  # dropped with the first of its tensors to go (e.g. a replaced scale)
         weakref.finalize(t, _MMA_PACKED.pop, key, None)
-    return packed
+    return (*packed, True)
 
 
 def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """hb [k, 2, I] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand."""
-    words, scales = _mma_weights(w1, w3)
+    words, scales, _ = _mma_weights(w1, w3)
     k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(k, 2, inter, dtype=torch.bfloat16, device=x.device)
     part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
@@ -435,9 +443,9 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
 
 def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple, out: torch.Tensor | None,
               add: torch.Tensor | None) -> torch.Tensor:
-    words, scales = _mma_weights(w2)
+    words, scales, fresh = _mma_weights(w2)
     k, inter, d, split = plan[-1], hb.shape[2], w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
-    pdl = _mma_pdl(hb.device)
+    pdl = _mma_pdl(hb.device) and not fresh  # down reads its first weights before its wait: not just written ones
     fused = out is not None
     c = out if fused else _empty(k, d, dtype=torch.float32, device=hb.device)
     part = _empty(k * split, d, dtype=torch.float32, device=hb.device)

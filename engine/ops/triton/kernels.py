@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # programmatic dependent launch (sm_90): Triton 3.4+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # the PDL forms are then never compiled (constexpr PDL stays False)
+    gdc_launch_dependents = gdc_wait = None
+PDL_AVAILABLE = gdc_wait is not None
 
 # fp32 bits of the UE8M0 scale are (s << 23) (s = 0 maps to 0.0, not 2^-127; s = 255 is NaN in UE8M0).
 
@@ -1051,8 +1056,8 @@ def topk_sort_kernel(s_ptr, idx_ptr, margin_ptr, mask_ptr, W, K, stride_s, strid
 @triton.jit
 def _softplus(v):
     """log(1 + e^v) as torch computes it (v above 20 passes through): max(v, 0) + log1p(t), t = e^-|v| in (0, 1],
-    with log1p(t) = 2 atanh(s), s = t / (2 + t) <= 1/3, by its series to s^15 (truncation < 1e-9 relative). No
-    log of 1 + t: rounding 1 + t to fp32 costs log(1 + t) up to 6e-8 / t relative (1e-3 at t = 1e-4, v ~ -9)."""
+    with log1p(t) = 2 atanh(s), s = t / (2 + t) <= 1/3, by its series to s^15 (truncation < 1.5e-9 relative).
+    No log of 1 + t: rounding 1 + t to fp32 costs log(1 + t) up to 6e-8 / t relative (6e-4 at t = 1e-4, v ~ -9)."""
     t = tl.exp(-tl.abs(v))
     s = t / (2.0 + t)
     s2 = s * s
@@ -1462,9 +1467,10 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
-    wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the gate/up
-    launch): the first step's weights are loaded while gate/up still runs; nothing is read from or written to
-    memory the earlier launches write before the wait."""
+    wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the launch before
+    it, gate/up or a kernel after it): the first step's weights and the slots' experts are read before the wait,
+    so they must have been written before gate/up began (the host launches without PDL right after a repack);
+    everything else is read and written after it."""
     r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
@@ -1697,12 +1703,12 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
      _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit",
-          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4, PDL=True), 1,
-     True),
+          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
+          PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down", moe_mma_down_kernel,
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
           "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True,
-          PDL=True), 1, True),
+          PDL=PDL_AVAILABLE), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
