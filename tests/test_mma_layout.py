@@ -126,6 +126,25 @@ def test_tensor_core_path_is_off_on_the_cpu():
     assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048, 6)
 
 
+def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool) -> tuple:
+    """Random MXFP4 expert stacks at V4-Flash widths (D 4096, I 2048) on g's GPU, a bf16 token, k distinct experts
+    and their weights. scale_200: some scale bytes past 192 (2^73), where a decode that folds 2^62 into the
+    exponent wraps."""
+    dev, d, inter = g.device, 4096, 2048
+
+    def weight(n: int, kk: int) -> QWeight:
+        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
+        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
+        if scale_200:
+            s[:, ::97, ::5] = 200
+        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
+    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
+    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
+    return w1, w3, w2, x, idx, torch.rand(1, k, generator=g, device=dev)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
 @pytest.mark.parametrize("with_shared,pdl", [(False, True), (True, True), (True, False)])
 def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
@@ -137,18 +156,8 @@ def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
     if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
     g = torch.Generator(dev).manual_seed(11)
-    e, d, inter, k = 16, 4096, 2048, 6
-
-    def weight(n: int, kk: int) -> QWeight:
-        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
-        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
-        s[:, ::97, ::5] = 200  # scale bytes past 192 (2^73): a decode that folds 2^62 into the exponent wraps
-        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
-
-    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
-    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
-    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
-    wt = torch.rand(1, k, generator=g, device=dev)
+    e, d, k = 16, 4096, 6
+    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True)
     shared = (torch.randn(1, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
     got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0,
@@ -168,20 +177,10 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
     on repeats (gate/up and down adjacent: nothing poisoned in between) and after an in-place weight change."""
     dev = torch.device("cuda")
     if not (tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6)
-            and tri._compiled.PDL_AVAILABLE and tri._sm90(dev)):
+            and tri._compiled.PDL_AVAILABLE and tri._cuda_cc(dev) >= (9, 0)):
         pytest.skip("needs the tensor-core path and griddepcontrol (sm_90, Triton 3.4+)")
-    g = torch.Generator(dev).manual_seed(12)
-    e, d, inter, k = 16, 4096, 2048, 6
-
-    def weight(n: int, kk: int) -> QWeight:
-        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, device=dev, dtype=torch.int32).to(torch.int8)
-        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, device=dev, dtype=torch.int32).to(torch.uint8)
-        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
-
-    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
-    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
-    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
-    wt = torch.rand(1, k, generator=g, device=dev)
+    e = 16
+    w1, w3, w2, x, idx, wt = gpu_moe_inputs(torch.Generator(dev).manual_seed(12), e, 6, scale_200=False)
     plan = tri.moe_prepare(x, idx, e)
 
     def run(pdl: bool) -> torch.Tensor:
@@ -201,7 +200,7 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
 
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])
 def test_tensor_core_kernels_compile_for_sm80(name):
-    """The path is enabled from sm_80 (`_sm80`), so its inline PTX must assemble there, not only on the ISA tier's
+    """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch
     (griddepcontrol is sm_90+, `_mma_pdl`)."""
     import warnings

@@ -228,8 +228,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
 
 
 @functools.cache
-def _hw_fp8_on(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+def _cuda_cc(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of a GPU device; (0, 0) on ROCm (no PTX there) and for other devices."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
 
 
 def _ptx(t: torch.Tensor) -> bool:
@@ -240,9 +243,7 @@ def _ptx(t: torch.Tensor) -> bool:
 def _hw_fp8(t: torch.Tensor) -> bool:
     """E4M3 conversion in hardware: CUDA sm_89+ (cvt.rn.f16x2.e4m3x2); gfx90a (ROCm) has no FP8 units. The CPU
     interpreter converts fp8 in software either way; it takes the bit decode unless a test forces HW."""
-    if t.device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return _hw_fp8_on(t.device)
+    return _cuda_cc(t.device) >= (8, 9)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -365,27 +366,17 @@ MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
-@functools.cache
-def _sm80(device: torch.device) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-@functools.cache
-def _sm90(device: torch.device) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _mma_pdl(device: torch.device) -> bool:
     """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+ and
     Triton 3.4+ has it)."""
-    return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _sm90(device)
+    return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _cuda_cc(device) >= (9, 0)
 
 
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
     """Whether one token's k experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide
     (down's split a power of two), arrival counters for every tile of either launch."""
     d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
-    return (bool(MOE_MMA["on"]) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and _sm80(x.device)
+    return (bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)
             and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
             and k * max(inter, d) // 16 <= LOCKS)
 
