@@ -34,10 +34,12 @@ def main() -> None:
     for up, down, pdl in splits:
         tri.MOE_MMA.update(on=True, SPLIT_UP=up, SPLIT_DOWN=down, PDL=bool(pdl))
         err = B.rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want)
-        ms = B.time_graph_ms(lambda x, idx, wt, plan: tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt,
-                                                                   plan), sets)
-        ms2 = statistics.median(B.time_graph_ms(lambda x, idx, wt, plan: tri.moe_down(
-            tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan), sets) for _ in range(2))
+
+        def pair(x, idx, wt, plan):
+            return tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
+
+        ms = B.time_graph_ms(pair, sets)
+        ms2 = statistics.median(B.time_graph_ms(pair, sets) for _ in range(2))
         print(f"splits up={up} down={down} pdl={pdl}: {ms * 1e3:6.1f} / {ms2 * 1e3:6.1f} us  "
               f"{nbytes / (min(ms, ms2) * 1e-3) / 1e12 / copy:.3f} of copy ({copy:.2f} TB/s)  rel err {err:.1e}",
               flush=True)
