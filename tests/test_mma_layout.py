@@ -30,7 +30,7 @@ def a_regs(w: torch.Tensor) -> list[torch.Tensor]:
 def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Dense float64 W [R, K] from the repacked words and scales, through the fragment tables."""
     rt, kt = words.shape[:2]
-    w = words.to(torch.int64) & M32  # [RT, KT, lane, step]
+    w = words.transpose(-3, -2).flatten(-2).to(torch.int64) & M32  # [RT, KT, lane, step]
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
     out = torch.zeros(rt * 16, kt * 128, dtype=torch.float64)
@@ -59,7 +59,7 @@ def test_repack_reads_back_as_the_reference(e, r, k):
     data = torch.randint(-128, 128, (e, r, k // 2), generator=g, dtype=torch.int32).to(torch.int8)
     scale = torch.randint(100, 150, (e, r, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
     words, scales = mma_repack(data, scale)
-    assert words.shape == (e, r // 16, k // 128, 32, 8) and words.dtype == torch.int32
+    assert words.shape == (e, r // 16, k // 128, 2, 32, 4) and words.dtype == torch.int32
     assert scales.shape == (e, r // 16, k // 128, 32, 2)
     x = torch.randn(k, generator=g, dtype=torch.float64)
     for i in range(e):

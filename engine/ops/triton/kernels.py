@@ -1387,10 +1387,13 @@ def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
 
 @triton.jit
 def _mma_tile_load(wp, sp, n):
-    """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: words, sp: scale bytes)."""
+    """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: the lane's first word of a
+    tile stored as [2, 32 lanes, 4 words], so each 16-byte load of a warp reads 512 consecutive bytes; sp: its
+    scale pair, read as one 16-bit load)."""
     w0, w1, w2, w3 = _ld16(wp + n * 256)
-    w4, w5, w6, w7 = _ld16(wp + n * 256 + 4)
-    return w0, w1, w2, w3, w4, w5, w6, w7, tl.load(sp + n * 64), tl.load(sp + n * 64 + 1)
+    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128)
+    sv = tl.load((sp + n * 64).to(tl.pointer_type(tl.uint16), bitcast=True))
+    return w0, w1, w2, w3, w4, w5, w6, w7, sv & 0xFF, sv >> 8
 
 
 @triton.jit
@@ -1407,7 +1410,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
     c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
-    wg = w_ptr + (tile0 * 256 + lane * 8)
+    wg = w_ptr + (tile0 * 256 + lane * 4)
     wu = wg + ktt * 256
     sg = s_ptr + (tile0 * 64 + lane * 2)
     su = sg + ktt * 64
@@ -1474,7 +1477,7 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
-    wp = w_ptr + (tile0 * 256 + lane * 8)
+    wp = w_ptr + (tile0 * 256 + lane * 4)
     sp = s_ptr + (tile0 * 64 + lane * 2)
     xp = hb_ptr + ((j * 2 + part) * I + sk * kt * 128 + gg * 32 + 2 * t)
     a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
