@@ -198,40 +198,7 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
     assert torch.equal(run(True), changed)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-def test_pair_launch_gives_the_two_launches_bits_gpu(monkeypatch):
-    """Gate/up and down in one launch (down programs wait on their slot's count of finished h tiles) add the same
-    partials in the same fixed order as the two launches: the same bits, on repeats and in CUDA graph replays
-    (its ticket and ready counters reset for the next launch), with every counter back at zero."""
-    monkeypatch.setattr(tri, "POISON", True)
-    dev = torch.device("cuda")
-    if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
-        pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
-    g = torch.Generator(dev).manual_seed(13)
-    e, k = 16, 6
-    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True)
-    shared = (torch.randn(1, 4096, generator=g, device=dev) * 0.05).to(torch.bfloat16)
-
-    def run(pair: bool) -> torch.Tensor:
-        monkeypatch.setitem(tri.MOE_MMA, "PAIR", pair)
-        return tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
-
-    two = run(False)
-    for _ in range(4):
-        assert torch.equal(run(True), two)
-    assert not tri._locks(dev, 0).any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(True)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, two)
-    assert not tri._locks(dev, 0).any()
-
-
-@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_pair"])
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch
@@ -246,7 +213,7 @@ def test_tensor_core_kernels_compile_for_sm80(name):
     from pytest_cdna2.isa import with_defaults
 
     _, fn, (sig, const), warps, _ = next(s for s in ISA_SPECS_SM90 if s[0] == name)
-    sig, const = with_defaults(fn, dict(sig), {**const, **({"PDL": False} if "PDL" in const else {})})
+    sig, const = with_defaults(fn, dict(sig), {**const, "PDL": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})

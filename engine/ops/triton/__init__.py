@@ -362,7 +362,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
 # run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above. PDL (sm_90): down is launched as
 # a programmatic dependent of gate/up, so its first weights load while gate/up finishes.
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "PAIR": False}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -378,7 +378,7 @@ def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
     d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
     return (bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)
             and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
-            and k * (inter + d) // 16 + 2 * _pow2(k, 1) + 1 <= LOCKS)
+            and k * max(inter, d) // 16 <= LOCKS)
 
 
 def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -445,26 +445,6 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
                 c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
                 HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
-
-
-def _mma_pair(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, weights: torch.Tensor, plan: tuple,
-              limit: float, add: torch.Tensor | None) -> torch.Tensor:
-    """One token's routed experts in one launch (kernels.py `moe_mma_pair_kernel`): out [1, D] in x's dtype."""
-    wu, su, _ = _mma_weights(w1, w3)
-    wd, sd, _ = _mma_weights(w2)
-    k, inter, d = plan[-1], w1.data.shape[1], x.shape[1]
-    up, down, kp = MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"], _pow2(k, 1)
-    hb = _empty(k, 2, inter, dtype=torch.bfloat16, device=x.device)
-    part_up = _empty(k * up, 2, inter, dtype=torch.float32, device=x.device)
-    part = _empty(k * down, d, dtype=torch.float32, device=x.device)
-    out = _empty(*x.shape, dtype=x.dtype, device=x.device)
-    locks = _locks(x.device, 1 + 2 * kp + k * inter // 16 + d // 16)
-    has_add, wts = add is not None, weights.contiguous().reshape(-1)
-    _Launch(x)("moe_mma_pair_kernel", (k * (inter // 16 * up + d // 16 * down),), x, wu, su, wd, sd, plan[3], wts,
-               part_up, part, locks, hb, out, add.contiguous() if has_add else out, inter, d, float(limit or 0.0), k,
-               HAS_LIMIT=bool(limit and limit > 0), SPLIT_UP=up, SPLITP_UP=_pow2(up, 1), SPLIT_DOWN=down, TOPKP=kp,
-               HAS_ADD=has_add, num_warps=1)
-    return out
 
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
@@ -535,8 +515,6 @@ def moe_experts(
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
-    if MOE_MMA["PAIR"] and plan[0] == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
-        return _mma_pair(x, w1, w3, w2, weights, plan, limit, shared() if callable(shared) else shared)
     h = moe_gate_up(x, w1, w3, plan, limit)
     if callable(shared):
         shared = shared()

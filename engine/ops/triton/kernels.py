@@ -1358,11 +1358,10 @@ def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
     part get zero; x * 2^64 + -0 by fma.bf16x2, exact, which sm_80 has and mul.bf16x2 needs sm_90), or
     PRESPLIT: pairs of an already split, scaled x read as they are."""
     p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    cm: tl.constexpr = ".cg" if PRESPLIT else ""  # h, possibly written in the same launch (L2, not L1)
-    v0 = tl.load(p, cache_modifier=cm)
-    v1 = tl.load(p + 4, cache_modifier=cm)
-    v2 = tl.load(p + 8, cache_modifier=cm)
-    v3 = tl.load(p + 12, cache_modifier=cm)
+    v0 = tl.load(p)
+    v1 = tl.load(p + 4)
+    v2 = tl.load(p + 8)
+    v3 = tl.load(p + 12)
     if not PRESPLIT:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
             "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
@@ -1378,11 +1377,12 @@ def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
 
 
 @triton.jit
-def _mma_program(e_ptr):
-    """A one-warp program's place in a launch of its own: (row tile, slot j, K part sk, row tiles, slot j's
-    expert)."""
+def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
+    """A one-warp program's place: (row-tile program, slot j, K part sk, row-tile programs, slot j's expert, the
+    K tiles of a row tile, those of one part)."""
+    ktt = K // 128
     return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-            tl.load(e_ptr + tl.program_id(1)).to(tl.int64))
+            tl.load(e_ptr + tl.program_id(1)).to(tl.int64), ktt, ktt // SPLIT)
 
 
 @triton.jit
@@ -1400,25 +1400,14 @@ def _mma_tile_load(wp, sp, n):
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """One token, one warp a program (`_mma_gate_up`) at (16-channel tile, slot, K part) = the program id.
-    PDL (sm_90): the down launch may start once every program of this one has started (it waits for this
-    launch's end before it reads h)."""
+    """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
+    tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
+    arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
+    in bf16: hb [k, 2, I] (the down kernel's B operand as it is). PDL (sm_90): the down launch may start once
+    every program of this one has started (it waits for this launch's end before it reads h)."""
     if PDL:
         gdc_launch_dependents()
-    c, j, sk, n_ct, e = _mma_program(e_ptr)
-    _mma_gate_up(x_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit, c, j, sk, n_ct, e, HAS_LIMIT, SPLIT,
-                 SPLITP)
-
-
-@triton.jit
-def _mma_gate_up(x_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit, c, j, sk, n_ct, e,
-                 HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
-    """One warp at (16-channel tile c, slot j, K part sk) streams the gate and the up row tiles of expert e
-    (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to arrive adds the SPLIT
-    partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo in bf16: hb [k, 2, I]
-    (the down kernel's B operand as it is). Returns whether this program was that last part."""
-    ktt = D // 128
-    kt = ktt // SPLIT
+    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
     wg = w_ptr + (tile0 * 256 + lane * 4)
@@ -1455,8 +1444,7 @@ def _mma_gate_up(x_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit, c
     tl.store(pp + I + 8, _quad_sum(ub), mask=t == 0)
     tl.debug_barrier()
     lock_at = lock_ptr + j * n_ct + c
-    last = tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1
-    if last:
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
         q = tl.arange(0, SPLITP)[:, None]
         ch = c * 16 + tl.arange(0, 16)[None, :]
         at = part_ptr + (j * SPLIT + q) * 2 * I + ch
@@ -1473,33 +1461,20 @@ def _mma_gate_up(x_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit, c
         tl.store(hb_ptr + j * 2 * I + cho, hi)
         tl.store(hb_ptr + (j * 2 + 1) * I + cho, lo)
         tl.atomic_xchg(lock_at, 0)
-    return last
 
 
 @triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
                         SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
                         PDL: tl.constexpr = False):
-    """One token, one warp a program (`_mma_down`) at (16-row tile, slot, K part) = the program id."""
-    r, j, sk, n_rt, e = _mma_program(e_ptr)
-    _mma_down(hb_ptr, w_ptr, s_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK, r, j, sk, n_rt, e,
-              lock_ptr, 0, SPLIT, TOPKP, SUM, HAS_ADD, PDL, False)
-
-
-@triton.jit
-def _mma_down(hb_ptr, w_ptr, s_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK, r, j, sk, n_rt, e,
-              ready_at, ready_n, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
-              PDL: tl.constexpr, WAIT: tl.constexpr):
-    """One warp at (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
+    """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
     wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the launch before
     it, gate/up or a kernel after it): the first step's weights and the slots' experts are read before the wait,
     so they must have been written before gate/up began (the host launches without PDL right after a repack);
-    everything else is read and written after it. WAIT (one launch with gate/up, `moe_mma_pair_kernel`): the
-    same, the wait being for ready_at's count of slot j's finished h tiles to reach ready_n."""
-    ktt = I // 128
-    kt = ktt // SPLIT
+    everything else is read and written after it."""
+    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
     wp = w_ptr + (tile0 * 256 + lane * 4)
@@ -1509,10 +1484,6 @@ def _mma_down(hb_ptr, w_ptr, s_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr
     b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
     if PDL:
         gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-    if WAIT:
-        while tl.atomic_add(ready_at, 0, sem="acquire") < ready_n:
-            pass
-        tl.debug_barrier()  # the lanes' loads of h after the acquire
     x0, x1, x2, x3 = _mma_x(xp, part, True)
     x4, x5, x6, x7 = _mma_x(xp + 128, part, True)
     top = tl.zeros((32,), dtype=tl.float32)
@@ -1560,51 +1531,6 @@ def _mma_down(hb_ptr, w_ptr, s_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr
             tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
             tl.store(out_ptr + j * D + rows, tot)
             tl.atomic_xchg(lock_at, 0)
-
-
-@triton.jit
-def moe_mma_pair_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, part_up_ptr, part_ptr, lock_ptr,
-                        hb_ptr, out_ptr, add_ptr, I, D, limit, TOPK, HAS_LIMIT: tl.constexpr, SPLIT_UP: tl.constexpr,
-                        SPLITP_UP: tl.constexpr, SPLIT_DOWN: tl.constexpr, TOPKP: tl.constexpr,
-                        HAS_ADD: tl.constexpr):
-    """One token's gate/up and down in one launch: out = sum_j wt[j] W2[e_j] swiglu(W1 x, W3 x) (+ add). Each
-    program takes a ticket (an integer atomic, so tickets follow the order programs start in): the first ones run
-    `_mma_gate_up` programs, slot by slot, the rest `_mma_down` programs, which load their first weights, then wait
-    until their slot's h is complete (ready[j], counted up by each h tile's last K part with release semantics).
-    A down program only waits for gate/up programs that have started (lower tickets), which never wait: no
-    deadlock, whatever the GPU's size. Counters (lock_ptr, ints): [0] tickets, [1, 1 + TOPKP) ready, then passed
-    waits per slot, then gate/up's tile locks, then down's; each reset by the last program to use it, for the
-    next launch or graph replay. Down's weight reads overlap gate/up's tail with no launch between them."""
-    n_ct = I // 16
-    n_rt = D // 16
-    n_up = n_ct * TOPK * SPLIT_UP
-    n_all = n_up + n_rt * TOPK * SPLIT_DOWN
-    tk = tl.atomic_add(lock_ptr, 1, sem="relaxed")
-    if tk == n_all - 1:  # every ticket taken
-        tl.atomic_xchg(lock_ptr, 0, sem="relaxed")
-    ready = lock_ptr + 1
-    passed = ready + TOPKP
-    up_locks = passed + TOPKP
-    down_locks = up_locks + TOPK * n_ct
-    if tk < n_up:
-        j = tk // (n_ct * SPLIT_UP)
-        c = tk // SPLIT_UP % n_ct
-        e = tl.load(e_ptr + j).to(tl.int64)
-        if _mma_gate_up(x_ptr, wu_ptr, su_ptr, part_up_ptr, up_locks, hb_ptr, I, D, limit, c, j, tk % SPLIT_UP,
-                        n_ct, e, HAS_LIMIT, SPLIT_UP, SPLITP_UP):
-            tl.debug_barrier()  # every lane's h stores before the release
-            tl.atomic_add(ready + j, 1, sem="release")
-    else:
-        q = tk - n_up
-        per_slot = n_rt * SPLIT_DOWN
-        j = q // per_slot
-        e = tl.load(e_ptr + j).to(tl.int64)
-        _mma_down(hb_ptr, wd_ptr, sd_ptr, wt_ptr, part_ptr, down_locks, out_ptr, add_ptr, D, I, TOPK,
-                  q // SPLIT_DOWN % n_rt, j, q % SPLIT_DOWN, n_rt, e, ready + j, n_ct, SPLIT_DOWN, TOPKP, True,
-                  HAS_ADD, False, True)
-        if tl.atomic_add(passed + j, 1, sem="relaxed") == per_slot - 1:  # slot j's last waiter is past its wait
-            tl.atomic_xchg(ready + j, 0, sem="relaxed")
-            tl.atomic_xchg(passed + j, 0, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1786,10 +1712,6 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
           "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True,
           PDL=PDL_AVAILABLE), 1, True),
-    ("moe_mma_pair", moe_mma_pair_kernel,
-     _sig("x_ptr wu_ptr su_ptr wd_ptr sd_ptr e_ptr wt_ptr part_up_ptr part_ptr lock_ptr hb_ptr out_ptr add_ptr I D "
-          "limit TOPK", "*bf16 *i32 *u8 *i32 *u8 *i64 *fp32 *fp32 *fp32 *i32 *bf16 *bf16 *bf16 i32 i32 fp32 i32",
-          HAS_LIMIT=True, SPLIT_UP=4, SPLITP_UP=4, SPLIT_DOWN=2, TOPKP=8, HAS_ADD=True), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
