@@ -362,7 +362,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
 # run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above. PDL (sm_90): down is launched as
 # a programmatic dependent of gate/up, so its first weights load while gate/up finishes.
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "L2_DOWN": False}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -419,14 +419,8 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return (*packed, True)
 
 
-def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float,
-                 w2: QWeight | None = None) -> torch.Tensor:
-    """hb [k, 2, I] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand. With w2
-    (MOE_MMA["L2_DOWN"]) the programs also ask the L2 for the selected experts' down weights."""
-    pf = {}
-    if w2 is not None and MOE_MMA["L2_DOWN"]:
-        wd, sd, _ = _mma_weights(w2)
-        pf = {"wd_ptr": wd, "sd_ptr": sd, "L2_DOWN": int(MOE_MMA["L2_DOWN"])}
+def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
+    """hb [k, 2, I] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand."""
     words, scales, _ = _mma_weights(w1, w3)
     k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(k, 2, inter, dtype=torch.bfloat16, device=x.device)
@@ -434,7 +428,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
                _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
                HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device),
-               num_warps=1, **pf)
+               num_warps=1)
     return hb
 
 
@@ -453,13 +447,12 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     return c
 
 
-def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float,
-                w2: QWeight | None = None) -> torch.Tensor:
+def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
     one-token tensor-core path (MOE_MMA) h is that kernel's [k, 2, I] bf16 split form, which moe_down takes."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
     if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
-        return _mma_gate_up(x, w1, w3, plan, limit, w2)
+        return _mma_gate_up(x, w1, w3, plan, limit)
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
     bn, groups, kw = _moe_cfg(launch, x, bm, x.shape[0])
@@ -522,7 +515,7 @@ def moe_experts(
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
-    h = moe_gate_up(x, w1, w3, plan, limit, w2)
+    h = moe_gate_up(x, w1, w3, plan, limit)
     if callable(shared):
         shared = shared()
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)

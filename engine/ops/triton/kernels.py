@@ -1290,13 +1290,8 @@ def _lane_roles():
 
 
 @triton.jit
-def _ld16(ptr, EVICT_FIRST: tl.constexpr = False):
-    """16 bytes as 4 words (streamed once: no L1 allocation; EVICT_FIRST: and first out of the L2)."""
-    if EVICT_FIRST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
-            "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }", "=r,=r,=r,=r,l",
-            [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+def _ld16(ptr):
+    """16 bytes as 4 words (streamed once: no L1 allocation)."""
     return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
                                      [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
                                      pack=1)
@@ -1391,34 +1386,20 @@ def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _mma_tile_load(wp, sp, n, EVICT_FIRST: tl.constexpr = False):
+def _mma_tile_load(wp, sp, n):
     """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: the lane's first word of a
     tile stored as [2, 32 lanes, 4 words], so each 16-byte load of a warp reads 512 consecutive bytes; sp: its
     scale pair, read as one 16-bit load)."""
-    w0, w1, w2, w3 = _ld16(wp + n * 256, EVICT_FIRST)
-    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128, EVICT_FIRST)
+    w0, w1, w2, w3 = _ld16(wp + n * 256)
+    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128)
     sv = tl.load((sp + n * 64).to(tl.pointer_type(tl.uint16), bitcast=True))
     return w0, w1, w2, w3, w4, w5, w6, w7, sv & 0xFF, sv >> 8
 
 
 @triton.jit
-def _l2_prefetch(ptr):
-    """Ask the L2 for ptr's 128-byte line, to be kept ahead of normal lines (evict_last); nothing is returned."""
-    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch_range(base, nbytes, lane):
-    """One warp asks the L2 for the nbytes (>= 128) from base (uint8 pointer), a line a lane per step."""
-    for i in range(0, nbytes, 4096):
-        _l2_prefetch(base + tl.minimum(i + lane * 128, nbytes - 128))
-
-
-@triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                           PDL: tl.constexpr = False, wd_ptr=None, sd_ptr=None, L2_DOWN: tl.constexpr = 0):
+                           PDL: tl.constexpr = False):
     """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
     tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
@@ -1428,19 +1409,14 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
         gdc_launch_dependents()
     c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
-    if L2_DOWN:  # this program's share of expert e's down weights (repacked: D x I / 2 bytes, scales / 16) into L2
-        share = D * I // 2 // (n_ct * SPLIT)
-        pf_at = e * (D * I // 2) + (c * SPLIT + sk) * share
-        _l2_prefetch_range(wd_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + pf_at, share, lane)
-        _l2_prefetch_range(sd_ptr + pf_at // 16, share // 16, lane)
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
     wg = w_ptr + (tile0 * 256 + lane * 4)
     wu = wg + ktt * 256
     sg = s_ptr + (tile0 * 64 + lane * 2)
     su = sg + ktt * 64
     xp = x_ptr + (sk * kt * 128 + gg * 32 + 2 * t)
-    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0, L2_DOWN == 2)
-    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0, L2_DOWN == 2)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
     x0, x1, x2, x3 = _mma_x(xp, part, False)
     gt = tl.zeros((32,), dtype=tl.float32)
     gb = gt
@@ -1452,8 +1428,8 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
         cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
         y0, y1, y2, y3 = x0, x1, x2, x3
         n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n, L2_DOWN == 2)
-        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n, L2_DOWN == 2)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
         x0, x1, x2, x3 = _mma_x(xp + n * 128, part, False)
         top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
         gt += top
