@@ -82,6 +82,24 @@ def test_repack_chunks_agree(monkeypatch):
     assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
 
 
+def test_h_is_stored_in_the_order_down_lanes_read_it():
+    """gate/up writes h (hi part at _hb_index, lo 32 further) where down's lane L = 4 (2 gg + part) + t reads its B
+    registers with one 16-byte load at L * 8 of each 128-channel tile: pairs 2t, 2t + 8, 2t + 16, 2t + 24 of
+    group gg (the m16n8k16 B fragment of steps 2 gg and 2 gg + 1). Every position once."""
+    from cdna2_engine.ops.triton.kernels import _hb_index
+
+    ch = torch.arange(3 * 128)
+    where = _hb_index.fn(ch)  # the jit function's Python body: integer arithmetic, run on torch tensors
+    assert torch.equal(torch.cat((where, where + 32)).sort().values, torch.arange(3 * 256))
+    lane = torch.arange(32)[:, None, None]
+    g, t = lane // 4, lane % 4
+    q, h = torch.arange(4)[None, :, None], torch.arange(2)[None, None, :]
+    for tile in range(3):
+        want_ch = tile * 128 + 32 * (g // 2) + 2 * t + 8 * q + h  # [lane, q, h]
+        got = where[want_ch] + 32 * (g % 2)
+        assert torch.equal(got, tile * 256 + lane * 8 + q * 2 + h)
+
+
 def test_interleave_rows():
     a = torch.arange(32 * 3).reshape(32, 3)
     b = -a

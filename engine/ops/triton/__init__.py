@@ -420,10 +420,11 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
-    """hb [k, 2, I] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand."""
+    """hb [k, I / 128, 256] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand (in the
+    order its lanes read it: kernels.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
     k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
-    hb = _empty(k, 2, inter, dtype=torch.bfloat16, device=x.device)
+    hb = _empty(k, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
     _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
                _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
@@ -435,7 +436,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
 def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple, out: torch.Tensor | None,
               add: torch.Tensor | None) -> torch.Tensor:
     words, scales, fresh = _mma_weights(w2)
-    k, inter, d, split = plan[-1], hb.shape[2], w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
+    k, inter, d, split = plan[-1], hb.shape[1] * 128, w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
     pdl = _mma_pdl(hb.device) and not fresh  # down reads its first weights before its wait: not just written ones
     fused = out is not None
     c = out if fused else _empty(k, d, dtype=torch.float32, device=hb.device)
@@ -449,7 +450,7 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
-    one-token tensor-core path (MOE_MMA) h is that kernel's [k, 2, I] bf16 split form, which moe_down takes."""
+    one-token tensor-core path (MOE_MMA) h is that kernel's [k, I / 128, 256] bf16 split form, which moe_down takes."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
     if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
         return _mma_gate_up(x, w1, w3, plan, limit)

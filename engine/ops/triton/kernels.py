@@ -1353,27 +1353,30 @@ def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
 
 
 @triton.jit
-def _mma_x(x_ptr, part, PRESPLIT: tl.constexpr):
+def _mma_x(x_ptr, part):
     """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
-    part get zero; x * 2^64 + -0 by fma.bf16x2, exact, which sm_80 has and mul.bf16x2 needs sm_90), or
-    PRESPLIT: pairs of an already split, scaled x read as they are."""
+    part get zero; x * 2^64 + -0 by fma.bf16x2, exact, which sm_80 has and mul.bf16x2 needs sm_90)."""
     p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     v0 = tl.load(p)
     v1 = tl.load(p + 4)
     v2 = tl.load(p + 8)
     v3 = tl.load(p + 12)
-    if not PRESPLIT:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
-            "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
-            "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-        z = tl.zeros_like(v0)
-        v0 = tl.where(part == 0, v0, z)
-        v1 = tl.where(part == 0, v1, z)
-        v2 = tl.where(part == 0, v2, z)
-        v3 = tl.where(part == 0, v3, z)
-    return v0, v1, v2, v3
+    v0, v1, v2, v3 = tl.inline_asm_elementwise(
+        "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
+        "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
+        "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    z = tl.zeros_like(v0)
+    hi = part == 0
+    return tl.where(hi, v0, z), tl.where(hi, v1, z), tl.where(hi, v2, z), tl.where(hi, v3, z)
+
+
+@triton.jit
+def _mma_h(ptr):
+    """The lane's 4 B registers of a tile of the split h, stored in lane order (`_hb_index`): one 16-byte load
+    (through L1: every row tile's programs read the same h)."""
+    return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -1397,14 +1400,24 @@ def _mma_tile_load(wp, sp, n):
 
 
 @triton.jit
+def _hb_index(ch):
+    """Where h's channel ch (hi part; lo: + 32) sits in hb: per 128-channel tile, in the order the down kernel's
+    lanes read their B registers (lane = 4 (2 gg + part) + t holds pairs 2t, 2t + 8, 2t + 16, 2t + 24 of group gg:
+    8 consecutive bf16, one 16-byte load)."""
+    kk = ch % 128
+    r = kk % 32
+    return (ch // 128) * 256 + (8 * (kk // 32) + (r % 8) // 2) * 8 + (r // 8) * 2 + r % 2
+
+
+@triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                            PDL: tl.constexpr = False):
     """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
     tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
-    in bf16: hb [k, 2, I] (the down kernel's B operand as it is). PDL (sm_90): the down launch may start once
-    every program of this one has started (it waits for this launch's end before it reads h)."""
+    in bf16: hb [k, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
+    may start once every program of this one has started (it waits for this launch's end before it reads h)."""
     if PDL:
         gdc_launch_dependents()
     c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
@@ -1417,7 +1430,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
     xp = x_ptr + (sk * kt * 128 + gg * 32 + 2 * t)
     a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
-    x0, x1, x2, x3 = _mma_x(xp, part, False)
+    x0, x1, x2, x3 = _mma_x(xp, part)
     gt = tl.zeros((32,), dtype=tl.float32)
     gb = gt
     ut = gt
@@ -1430,7 +1443,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
         n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
         a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
         b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
-        x0, x1, x2, x3 = _mma_x(xp + n * 128, part, False)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
         top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
         gt += top
         gb += bot
@@ -1457,9 +1470,9 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
         h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
         hi = h.to(tl.bfloat16)
         lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-        cho = c * 16 + tl.arange(0, 16)
-        tl.store(hb_ptr + j * 2 * I + cho, hi)
-        tl.store(hb_ptr + (j * 2 + 1) * I + cho, lo)
+        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+        tl.store(at, hi)
+        tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
         tl.atomic_xchg(lock_at, 0)
 
 
@@ -1479,13 +1492,13 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     tile0 = (e * n_rt + r) * ktt + sk * kt
     wp = w_ptr + (tile0 * 256 + lane * 4)
     sp = s_ptr + (tile0 * 64 + lane * 2)
-    xp = hb_ptr + ((j * 2 + part) * I + sk * kt * 128 + gg * 32 + 2 * t)
+    xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
     a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
     if PDL:
         gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-    x0, x1, x2, x3 = _mma_x(xp, part, True)
-    x4, x5, x6, x7 = _mma_x(xp + 128, part, True)
+    x0, x1, x2, x3 = _mma_h(xp)
+    x4, x5, x6, x7 = _mma_h(xp + 256)
     top = tl.zeros((32,), dtype=tl.float32)
     bot = top
     for i in range(0, kt, 2):
@@ -1496,8 +1509,8 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
         n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
         a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
         b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
-        x0, x1, x2, x3 = _mma_x(xp + n * 128, part, True)
-        x4, x5, x6, x7 = _mma_x(xp + n * 128 + 128, part, True)
+        x0, x1, x2, x3 = _mma_h(xp + n * 256)
+        x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
         p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
         top += p
         bot += q
