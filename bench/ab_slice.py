@@ -3,6 +3,7 @@ per variant, rounds interleaved so that clock and placement drift reach every va
 `bench_slice.py` runs differ by up to +-25 us a step from run to run, more than most changes being judged).
 
     python bench/ab_slice.py --variant "" --variant "ATTN_CHUNK=1024" --variant "model._decode_ropes=set()"
+    python bench/ab_slice.py --moe --variant "" --variant "model.shared_after_route=False"  # + the MoE blocks alone
 
 A variant is a ';'-separated list of bench_slice's --set items (TABLE.KEY=VALUE, NAME=VALUE) and
 model.ATTR=VALUE (a Python literal set on the Model); "" is the defaults. Every variant is teacher-forced
@@ -21,7 +22,7 @@ import os
 import statistics
 
 import torch
-from bench_slice import FLASH, apply_overrides, random_packed, time_steps
+from bench_slice import FLASH, apply_overrides, moe_decode, random_packed, time_steps
 
 from cdna2_engine.config import Config
 from cdna2_engine.model import DecodeGraph, Model
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--out")
+    ap.add_argument("--moe", action="store_true", help="also time the MoE blocks alone per variant and round "
+                                                       "(bench_slice.py's moe_decode)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ab_slice.py times CUDA graphs: it needs a GPU (bench_slice.py --small is the CPU smoke test)")
@@ -68,6 +71,7 @@ def main() -> None:
                 if k.isupper() and not k.startswith("_") and isinstance(v, (dict, int)) and not isinstance(v, bool)}
     saved = {"tri": copy.deepcopy(settings), "model": {}}
     times: dict[str, list[float]] = {v: [] for v in a.variant}
+    moe: dict[str, list[float]] = {v: [] for v in a.variant}
     cap = a.prompt + a.steps + 2
     tokens = None  # every variant is teacher-forced with the first one's eager tokens
     for r in range(a.rounds):
@@ -95,12 +99,16 @@ def main() -> None:
                 if rel > 1e-6:
                     raise SystemExit(f"variant {v!r}: graph differs from its eager step by {rel:.2e}; no timing")
             times[v].append(statistics.median(ms))
-            print(f"{v or '(defaults)':60s} {times[v][-1] * 1e3:7.1f} us/token", flush=True)
+            if a.moe:
+                moe[v].append(moe_decode(model, device, 1.0)["moe_decode_us_per_token"])
+            print(f"{v or '(defaults)':60s} {times[v][-1] * 1e3:7.1f} us/token"
+                  + (f"  MoE blocks {moe[v][-1]:6.1f} us/token" if a.moe else ""), flush=True)
             del graph, logits
             torch.cuda.empty_cache()
     _apply(model, "", saved)
     res = {"device": torch.cuda.get_device_name(), "floor_bytes_per_token": floor,
            "variants": {v or "(defaults)": {"median_ms": statistics.median(t), "rounds_ms": t}
+                        | ({"moe_median_us": statistics.median(moe[v]), "moe_rounds_us": moe[v]} if a.moe else {})
                         for v, t in times.items()}}
     print(json.dumps(res, indent=1))
     for path in (a.out, os.path.join(os.environ["OUT"], "ab_slice.json") if os.environ.get("OUT") else None):

@@ -340,8 +340,9 @@ class MoE:
         m.side.hold(x2)
         start = m.side.mark()
         logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
-        with m.side.beside(after=start):  # the shared expert beside the router and the routed experts' gate/up,
-            shared = self.shared(x2)  # issued after the router: a graph dispatches the router's grid first
+        with m.side.beside(after=start):  # the shared expert's gate/up beside the router and the routing,
+            shared_h = self.shared_up(x2)  # issued after the router: a graph dispatches the router's grid first
+            early = None if m.shared_after_route else self.shared_down(shared_h)
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
         bias = w.get(p + "gate.bias")
@@ -357,22 +358,36 @@ class MoE:
         if fixed is not None:
             idx, weights, _ = ops.route(logits, bias, *route, fixed)
         e = m.experts[self.i]
+        routed = m.side.mark()
 
         def joined() -> torch.Tensor:  # called by moe_experts once it needs the shared expert: after gate/up
+            # w2 waits for the routing too and is issued after the routed gate/up, so that the gate/up grid is
+            # dispatched first: dispatched ahead, w2's grid took the SMs and gate/up started ~4 us late (run 72)
+            shared = early
+            if shared is None:
+                with m.side.beside(after=routed):
+                    shared = self.shared_down(shared_h)
             m.side.join()
             return shared
 
         out = ops.moe_experts(x2, e["w1"], e["w3"], e["w2"], idx, weights, cfg.swiglu_limit, joined)
         return out.view(B, S, D)
 
-    def shared(self, x2: torch.Tensor) -> torch.Tensor:
-        """The shared expert (SwiGLU MLP in FP8) of x2 [T, D]."""
+    def shared_up(self, x2: torch.Tensor) -> torch.Tensor:
+        """The shared expert's (SwiGLU MLP in FP8) first half of x2 [T, D]: [gate | up] rows when w1 and w3 are
+        joined (w2 reads them through swiglu), else swiglu's output."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
-        w2 = w[p + "shared_experts.w2.weight"]
-        if self.w13 is not None:  # [gate | up] in one row: w2 reads it through swiglu
-            return ops.linear(ops.linear(x2, self.w13), w2, glu=cfg.swiglu_limit)
+        if self.w13 is not None:
+            return ops.linear(x2, self.w13)
         g, u = ops.linear(x2, w[p + "shared_experts.w1.weight"]), ops.linear(x2, w[p + "shared_experts.w3.weight"])
-        return ops.linear(ops.swiglu(g, u, cfg.swiglu_limit), w2)
+        return ops.swiglu(g, u, cfg.swiglu_limit)
+
+    def shared_down(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert's w2 of `shared_up`'s output."""
+        w2 = self.w[self.p + "shared_experts.w2.weight"]
+        if self.w13 is not None:
+            return self.m.ops.linear(h, w2, glu=self.m.cfg.swiglu_limit)
+        return self.m.ops.linear(h, w2)
 
 
 class _Ctx:
@@ -448,6 +463,7 @@ class Model:
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         # the cos/sin a decode step reads: q and kv's rope per layer, and each compressor's at its window start
         self._decode_ropes = {(a.rope, 1) for a in self.attn} | {(self.rope_c, a.ratio) for a in self.attn if a.ratio}
+        self.shared_after_route = True
 
     def _stack_experts(self, i: int) -> dict[str, QWeight]:
         """Routed experts as [E, N, K(/2)] stacks (packed stays packed); the per-expert keys are dropped."""
