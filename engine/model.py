@@ -12,7 +12,6 @@ activations (FP8 act-quant, FP4 indexer), this engine, like transformers, comput
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -188,11 +187,11 @@ class Attention:
                         if self.ratio == 4 else None)
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
-                 side: SideStream | None = None, pick: tuple | None = None, then: Callable[[], None] | None = None):
+                 side: SideStream | None = None, pick: tuple | None = None):
         """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
         when decoding), q's low-rank qr (before q_norm), cos/sin. With a `side` stream (decode), kv's norm and RoPE
         are issued there once qr exists, and `pick` = (stream, fn) issues fn(qr) on its stream, while q is finished
-        here; `then()` is called right after q's first projection is issued."""
+        here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -201,8 +200,6 @@ class Attention:
             qr, kv = ops.linear(x, w[p + "wq_a.weight"]), ops.linear(x, w[p + "wkv.weight"])
         else:
             qr, kv = ops.linear(x, self.wqkv).split(self.q_lora, -1)
-        if then is not None:
-            then()
         qn = self._q_norm()  # qr [B, S, q_lora] stays un-normed: its two readers apply q_norm as they read it
         if side is not None:
             side.hold(kv)  # read beside: alive until the join
@@ -285,32 +282,23 @@ class Attention:
         projection: a compressed layer's compressor and kv's norm into the window ring on the side stream, the
         indexer (its compressor, then its pick once qr exists) on the second, its head weights on this one;
         attention waits for all three."""
-        side, side2, pick, ikeys, first = self.m.side, self.m.side2, None, [], self.m.qkv_first
+        side, side2, pick = self.m.side, self.m.side2, None
         side.hold(x)
-        start = side.mark() if self.ratio else None  # where the compressed branches start from
-
-        def branches() -> None:  # issued once q's projection is (qkv_first): ready at the same time, the graph
-            # dispatches in issue order, and the compressors' GEMV grids dispatched first took the SMs (run 75)
-            with side.beside(after=start):
+        if self.ratio:
+            with side.beside():
                 self.compressor.decode(x, sl.compressor, pos, ctx)  # HCA: its valid flags are the entry mask
             if self.indexer is not None:
                 side2.hold(x)
-                with side2.beside(after=start):
-                    ikeys.append(self.indexer.decode(x, sl.indexer, pos, ctx))
+                with side2.beside():
+                    ikeys = self.indexer.decode(x, sl.indexer, pos, ctx)
+                hw = self._head_weights(x)  # here, before q's projection: the indexer's branch is the longest
 
-        if self.ratio and not first:
-            branches()
-        if self.indexer is not None:
-            hw = self._head_weights(x)  # here, before q's projection: the indexer's branch is the longest
-            start = side.mark() if first else start
+                def picked(qr: torch.Tensor) -> None:  # the indexer's own (ratio 4) valid flags: the same as the
+                    # compressor's, without waiting for the other branch
+                    self._picked(x, qr, ikeys, pos, sl.indexer.valid.unsqueeze(1), ctx, out=sl.entry_mask, hw=hw)
 
-            def picked(qr: torch.Tensor) -> None:  # the indexer's own (ratio 4) valid flags: the same as the
-                # compressor's, without waiting for the other branch
-                self._picked(x, qr, ikeys[0], pos, sl.indexer.valid.unsqueeze(1), ctx, out=sl.entry_mask, hw=hw)
-
-            pick = (side2, picked)
-        q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, pick,
-                                          branches if self.ratio and first else None)  # kv: ring
+                pick = (side2, picked)
+        q, _, _, cos, sin = self._project(x, pos, ctx, (sl.window, sl.window_ok, pos), side, pick)  # kv: ring
         side.join()
         side2.join()
         return self._output(q, sl.keys, sl.mask, cos, sin)
@@ -475,8 +463,7 @@ class Model:
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         # the cos/sin a decode step reads: q and kv's rope per layer, and each compressor's at its window start
         self._decode_ropes = {(a.rope, 1) for a in self.attn} | {(self.rope_c, a.ratio) for a in self.attn if a.ratio}
-        self.qkv_first = True  # False: a compressed layer's compressors issued before q's projection (before run 75)
-        self.shared_after_route = True  # False: the shared expert's w2 issued beside the router (before run 73; A/B)
+        self.shared_after_route = True
 
     def _stack_experts(self, i: int) -> dict[str, QWeight]:
         """Routed experts as [E, N, K(/2)] stacks (packed stays packed); the per-expert keys are dropped."""
