@@ -463,7 +463,7 @@ class Model:
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         # the cos/sin a decode step reads: q and kv's rope per layer, and each compressor's at its window start
         self._decode_ropes = {(a.rope, 1) for a in self.attn} | {(self.rope_c, a.ratio) for a in self.attn if a.ratio}
-        self.shared_after_route = True
+        self.shared_after_route = True  # False: the shared expert's w2 issued beside the router (before run 73; A/B)
 
     def _stack_experts(self, i: int) -> dict[str, QWeight]:
         """Routed experts as [E, N, K(/2)] stacks (packed stays packed); the per-expert keys are dropped."""
