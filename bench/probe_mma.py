@@ -67,7 +67,7 @@ def _tile_x(x_ptr, i, gg, t, part, XBF16: tl.constexpr):
     it, or fp32 x split hi + lo here (the engine's down kernel reads that split already made)."""
     kb = i * 128 + gg * 32 + 2 * t
     if XBF16:
-        return ek._mma_x(x_ptr + kb, part, False)
+        return ek._mma_x(x_ptr + kb, part)
     return _bpair(x_ptr, kb, part), _bpair(x_ptr, kb + 8, part), _bpair(x_ptr, kb + 16, part), \
         _bpair(x_ptr, kb + 24, part)
 
@@ -87,12 +87,12 @@ def mma_gemv_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, NW: tl.constexpr, XBF16: tl.c
     part = g % 2
     KT = K // 128 // SPLIT
     k0 = sk * KT * 128
-    wp = w_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 256 + lane * 8)  # this lane's 8 words of tile 0
+    wp = w_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 256 + lane * 4)  # this lane's first word of tile 0
     sp = s_ptr + ((rt.to(tl.int64) * SPLIT + sk) * KT * 64 + lane * 2)
     n0, n1, n2, n3 = _ldw(HINT, wp)
-    n4, n5, n6, n7 = _ldw(HINT, wp + 4)
+    n4, n5, n6, n7 = _ldw(HINT, wp + 128)  # a tile: two [32 lanes x 4 words] halves (mma_repack)
     m0, m1, m2, m3 = _ldw(HINT, wp + 256)
-    m4, m5, m6, m7 = _ldw(HINT, wp + 260)
+    m4, m5, m6, m7 = _ldw(HINT, wp + 384)
     ns0 = tl.load(sp)
     ns1 = tl.load(sp + 1)
     ms0 = tl.load(sp + 64)
@@ -109,9 +109,9 @@ def mma_gemv_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, NW: tl.constexpr, XBF16: tl.c
         c0, c1, c2, c3 = mb0, mb1, mb2, mb3
         j = tl.minimum(i + 2, KT - 2)  # the last iteration reloads its own tiles (L2 hits, unused)
         n0, n1, n2, n3 = _ldw(HINT, wp + j * 256)
-        n4, n5, n6, n7 = _ldw(HINT, wp + j * 256 + 4)
+        n4, n5, n6, n7 = _ldw(HINT, wp + j * 256 + 128)
         m0, m1, m2, m3 = _ldw(HINT, wp + j * 256 + 256)
-        m4, m5, m6, m7 = _ldw(HINT, wp + j * 256 + 260)
+        m4, m5, m6, m7 = _ldw(HINT, wp + j * 256 + 384)
         ns0 = tl.load(sp + j * 64)
         ns1 = tl.load(sp + j * 64 + 1)
         ms0 = tl.load(sp + j * 64 + 64)

@@ -358,7 +358,7 @@ class MoE:
         if fixed is not None:
             idx, weights, _ = ops.route(logits, bias, *route, fixed)
         e = m.experts[self.i]
-        routed = m.side.mark()
+        routed = m.side.mark() if m.shared_after_route else None
 
         def joined() -> torch.Tensor:  # called by moe_experts once it needs the shared expert: after gate/up
             # w2 waits for the routing too and is issued after the routed gate/up, so that the gate/up grid is

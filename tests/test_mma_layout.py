@@ -28,9 +28,12 @@ def a_regs(w: torch.Tensor) -> list[torch.Tensor]:
 
 
 def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Dense float64 W [R, K] from the repacked words and scales, through the fragment tables."""
+    """Dense float64 W [R, K] from the repacked words and scales, read where and as the kernels read them
+    (`_mma_tile_load`: a tile's 256 words from lane * 4 and lane * 4 + 128, the scale pair as one little-endian
+    16-bit load), through the fragment tables."""
     rt, kt = words.shape[:2]
-    w = words.transpose(-3, -2).flatten(-2).to(torch.int64) & M32  # [RT, KT, lane, step]
+    at = torch.arange(32)[:, None] * 4 + torch.tensor([0, 1, 2, 3, 128, 129, 130, 131])
+    w = words.reshape(rt, kt, 256)[:, :, at].to(torch.int64) & M32  # [RT, KT, lane, step]
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
     out = torch.zeros(rt * 16, kt * 128, dtype=torch.float64)
@@ -44,7 +47,8 @@ def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
             col = cols_t + (2 * t + 8 * (j >> 1) + h)[None, None, :, None]
             out[row.expand_as(v), col.expand_as(v)] = v
     # accumulator side: rows g, g + 8 and group t of each tile carry the lane's two scale bytes
-    s = scales.to(torch.int64)  # [RT, KT, lane, 2]
+    pair = scales.reshape(rt, kt, 64).view(torch.int16).to(torch.int64) & 0xFFFF  # [RT, KT, lane]
+    s = torch.stack((pair & 0xFF, pair >> 8), dim=-1)  # [RT, KT, lane, 2]: bytes for rows g and g + 8
     scale = torch.zeros(rt * 16, kt * 4, dtype=torch.float64)
     for half in range(2):
         row = (rows_t[..., 0] + (g + 8 * half)[None, None, :]).expand(rt, kt, 32)

@@ -1374,9 +1374,10 @@ def _mma_x(x_ptr, part):
 @triton.jit
 def _mma_h(ptr):
     """The lane's 4 B registers of a tile of the split h, stored in lane order (`_hb_index`): one 16-byte load
-    (through L1: every row tile's programs read the same h)."""
+    (through L1: every row tile's programs read the same h). Not pure: h is written by the launch before, so the
+    compiler must keep this load after the programmatic dependent launch's wait (a pure asm may be hoisted)."""
     return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=False, pack=1)
 
 
 @triton.jit
