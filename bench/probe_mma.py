@@ -165,7 +165,7 @@ def main() -> None:
                                        "mxfp4"), torch.float64)
         packed = [(*mma_repack(w, s), x) for w, s, x in data]
         for xs in (1.0, 1e-30, 1e20):  # tiny and large x: past the kernels' range (|x| < 2^64, products above
-            # ~2^-87), so 1e-30 flushes to zero (rel err 1) and 1e20 overflows (nan), as in runs 51 and 77
+            # ~2^-87), so 1e-30 flushes to zero (rel err 1) and 1e20 overflows (nan), as in runs 51 and 78
             x = (data[0][2].double() * xs).to(data[0][2].dtype)
             want = W @ x.double()
             y = torch.full((rows,), float("nan"), device=dev)
