@@ -3,7 +3,7 @@ per variant, rounds interleaved so that clock and placement drift reach every va
 `bench_slice.py` runs differ by up to +-25 us a step from run to run, more than most changes being judged).
 
     python bench/ab_slice.py --variant "" --variant "ATTN_CHUNK=1024" --variant "model._decode_ropes=set()"
-    python bench/ab_slice.py --moe --variant "" --variant "model.shared_after_route=False"  # + the MoE blocks alone
+    python bench/ab_slice.py --moe --variant "" --variant "MOE_MMA.PDL=False"  # + the MoE blocks alone
 
 A variant is a ';'-separated list of bench_slice's --set items (TABLE.KEY=VALUE, NAME=VALUE) and
 model.ATTR=VALUE (a Python literal set on the Model); "" is the defaults. Every variant is teacher-forced

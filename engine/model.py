@@ -342,7 +342,6 @@ class MoE:
         logits = ops.linear(x2, w[p + "gate.weight"], _acc(x.dtype))  # router logits in fp32 (fp64)
         with m.side.beside(after=start):  # the shared expert's gate/up beside the router and the routing,
             shared_h = self.shared_up(x2)  # issued after the router: a graph dispatches the router's grid first
-            early = None if m.shared_after_route else self.shared_down(shared_h)
         k = cfg.num_experts_per_tok
         route = (k, cfg.scoring_func, cfg.routed_scaling_factor)
         bias = w.get(p + "gate.bias")
@@ -358,15 +357,13 @@ class MoE:
         if fixed is not None:
             idx, weights, _ = ops.route(logits, bias, *route, fixed)
         e = m.experts[self.i]
-        routed = m.side.mark() if m.shared_after_route else None
+        routed = m.side.mark()
 
         def joined() -> torch.Tensor:  # called by moe_experts once it needs the shared expert: after gate/up
             # w2 waits for the routing too and is issued after the routed gate/up, so that the gate/up grid is
             # dispatched first: dispatched ahead, w2's grid took the SMs and gate/up started ~4 us late (run 72)
-            shared = early
-            if shared is None:
-                with m.side.beside(after=routed):
-                    shared = self.shared_down(shared_h)
+            with m.side.beside(after=routed):
+                shared = self.shared_down(shared_h)
             m.side.join()
             return shared
 
@@ -463,7 +460,6 @@ class Model:
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         # the cos/sin a decode step reads: q and kv's rope per layer, and each compressor's at its window start
         self._decode_ropes = {(a.rope, 1) for a in self.attn} | {(self.rope_c, a.ratio) for a in self.attn if a.ratio}
-        self.shared_after_route = True  # False: the shared expert's w2 issued beside the router (before run 73; A/B)
 
     def _stack_experts(self, i: int) -> dict[str, QWeight]:
         """Routed experts as [E, N, K(/2)] stacks (packed stays packed); the per-expert keys are dropped."""
