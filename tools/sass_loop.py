@@ -12,6 +12,7 @@ last load: with PREFETCH the next step's loads should all precede the current st
     python tools/sass_loop.py PREFETCH=True PRMT=True  # constexpr (or num_warps) overrides where the kernel has
     python tools/sass_loop.py --dump /tmp/sass         # them (PRMT is sm_90 only); --dump writes each loop body
     python tools/sass_loop.py --only moe_mma_gate_up,moe_mma_down  # the tensor-core kernels (sm_90 only)
+    python tools/sass_loop.py --only moe_mma_gate_up_sk maxnreg=64  # under a register cap (a launch option)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def cases() -> dict[str, tuple]:
 # The one-token tensor-core MXFP4 kernels (inline PTX: sm_90 only): name -> (ISA spec, runtime ints, codes a warp's
 # loop step covers: gate/up two 16 x 128 row tiles, down two 128-wide K tiles of one).
 MMA_CASES = {"moe_mma_gate_up": ("moe_mma_gate_up", dict(I=2048, D=4096), 4096),
+             "moe_mma_gate_up_sk": ("moe_mma_gate_up_sk", dict(I=2048, D=4096, S=24576), 4096),
              "moe_mma_down": ("moe_mma_down", dict(D=4096, I=2048, TOPK=6), 4096)}
 
 
@@ -66,6 +68,8 @@ def compile_case(spec: str, ints: dict, const: dict, warps: int, target: GPUTarg
     """Compile one ISA spec with the runtime specialization of `ints` and constexpr overrides `const`."""
     from pytest_cdna2.isa import with_defaults
 
+    const = dict(const)
+    maxnreg = const.pop("maxnreg", None)  # a register cap (launch option), not a constexpr
     _, fn, (sig, const0), _, _ = next(s for s in K.ISA_SPECS + K.ISA_SPECS_SM90 if s[0] == spec)
     sig, constexprs = with_defaults(fn, sig, const0)
     params = inspect.signature(fn.fn).parameters
@@ -81,7 +85,8 @@ def compile_case(spec: str, ints: dict, const: dict, warps: int, target: GPUTarg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
-                           options={"num_warps": warps, "num_stages": MOE_STREAM["num_stages"]})
+                           options={"num_warps": warps, "num_stages": MOE_STREAM["num_stages"],
+                                    **({"maxnreg": maxnreg} if maxnreg else {})})
     return k, constexprs
 
 

@@ -1478,6 +1478,135 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 
 
 @triton.jit
+def _sk_range(w, S, W):
+    """Stream-K: warp w's steps [lo, hi) of S steps split evenly over W warps (lengths differ by at most 1)."""
+    return (w.to(tl.int64) * S // W).to(tl.int32), ((w.to(tl.int64) + 1) * S // W).to(tl.int32)
+
+
+@triton.jit
+def _sk_warp(n, S, W):
+    """Stream-K: the warp whose range holds step n."""
+    return (((n.to(tl.int64) + 1) * W - 1) // S).to(tl.int32)
+
+
+@triton.jit
+def _sk_gate_up_tile(seg, e_ptr, n_ct, ktt):
+    """The gate row tile's first tile of segment seg = (slot j, channel tile c) for gate/up's stream-K order (its
+    up row tile follows ktt tiles on)."""
+    j = seg // n_ct
+    return (tl.load(e_ptr + j).to(tl.int64) * n_ct + (seg - j * n_ct)) * 2 * ktt
+
+
+@triton.jit
+def _sk_gate_up_load(tile, kk, w_ptr, s_ptr, x_ptr, ktt, lane, gg, t, part):
+    """A step's gate and up tiles (gate at `tile`, K tile kk) and x's B registers."""
+    wg = w_ptr + (tile * 256 + lane * 4)
+    sg = s_ptr + (tile * 64 + lane * 2)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wg + ktt * 256, sg + ktt * 64, 0)
+    x0, x1, x2, x3 = _mma_x(x_ptr + (kk * 128 + gg * 32 + 2 * t), part)
+    return a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1, b0, b1, b2, b3, b4, b5, b6, b7, us0, us1, x0, x1, x2, x3
+
+
+@triton.jit
+def _sk_gate_up_part(gt, gb, ut, ub, part_ptr, lock_ptr, w, q, seg, ktt, S, W, g, t):
+    """Store warp w's partial of segment seg at part[w, q]; returns seg if this warp arrived last there, else -1."""
+    pp = part_ptr + (w * 2 + q) * 32 + g
+    tl.store(pp, _quad_sum(gt), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(gb), mask=t == 0)
+    tl.store(pp + 16, _quad_sum(ut), mask=t == 0)
+    tl.store(pp + 24, _quad_sum(ub), mask=t == 0)
+    tl.debug_barrier()
+    n_warps = _sk_warp(seg * ktt + ktt - 1, S, W) - _sk_warp(seg * ktt, S, W) + 1
+    return tl.where(tl.atomic_add(lock_ptr + seg, 1, sem="acq_rel") == n_warps - 1, seg, -1)
+
+
+@triton.jit
+def _sk_gate_up_finish(seg, part_ptr, lock_ptr, hb_ptr, I, ktt, S, W, limit, HAS_LIMIT: tl.constexpr,
+                       CMAX: tl.constexpr):
+    """The last arrival at segment seg = (slot j, channel tile c): adds its warps' partials in warp order, applies
+    the clamped SwiGLU and writes h as the grid form does."""
+    wf = _sk_warp(seg * ktt, S, W)
+    wl = _sk_warp(seg * ktt + ktt - 1, S, W)
+    i = tl.arange(0, CMAX)[:, None]
+    qf = ((wf.to(tl.int64) * S // W) < seg * ktt).to(tl.int32)  # the first warp began in the segment before
+    at = part_ptr + ((wf + i) * 2 + tl.where(i == 0, qf, 0)) * 32 + tl.arange(0, 16)[None, :]
+    ok = i <= wl - wf
+    gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    us = tl.sum(tl.load(at + 16, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    if HAS_LIMIT:
+        gs = tl.minimum(gs, limit)
+        us = tl.minimum(tl.maximum(us, -limit), limit)
+    h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+    hi = h.to(tl.bfloat16)
+    lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+    n_ct = I // 16
+    j = seg // n_ct
+    at = hb_ptr + j * 2 * I + _hb_index((seg - j * n_ct) * 16 + tl.arange(0, 16))
+    tl.store(at, hi)
+    tl.store(at + 32, lo)
+    tl.atomic_xchg(lock_ptr + seg, 0)
+
+
+@triton.jit
+def moe_mma_gate_up_sk_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit, S,
+                              HAS_LIMIT: tl.constexpr, CMAX: tl.constexpr, PDL: tl.constexpr = False):
+    """moe_mma_gate_up_kernel in stream-K form: the S = k x I / 16 x D / 128 steps (segment = (slot, channel tile),
+    then K tile) split evenly over a grid of one wave of one-warp programs, so every warp streams ~S / W steps with
+    its next tiles always in flight, across a segment's end. A warp touches at most two segments (W >= segments);
+    it stores each one's partial at part[w, 0 or 1], and the last of a segment's warps to arrive adds them in warp
+    order (fixed for a given grid) and writes h, after its loop."""
+    if PDL:
+        gdc_launch_dependents()
+    W = tl.num_programs(0)
+    w = tl.program_id(0)
+    n_ct = I // 16
+    ktt = D // 128
+    lo, hi = _sk_range(w, S, W)
+    lane, g, t, gg, part = _lane_roles()
+    seg0 = lo // ktt
+    kc = lo - seg0 * ktt  # the current step's K tile
+    tn = _sk_gate_up_tile(seg0, e_ptr, n_ct, ktt) + kc  # the tile loaded next
+    t1 = _sk_gate_up_tile(tl.minimum(seg0 + 1, S // ktt - 1), e_ptr, n_ct, ktt)  # the next segment's first tile
+    (a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1, b0, b1, b2, b3, b4, b5, b6, b7, us0, us1,
+     x0, x1, x2, x3) = _sk_gate_up_load(tn, kc, w_ptr, s_ptr, x_ptr, ktt, lane, gg, t, part)
+    gt = tl.zeros((32,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    first = -1  # the first segment, if this warp ends it and arrived there last
+    for n in range(lo, hi):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        ends = kc == ktt - 1  # this step ends its segment
+        tn = tl.where(ends, t1, tn + 1)  # the last step loads one more tile (unused; it exists: t1 is clamped)
+        kc = tl.where(ends, 0, kc + 1)
+        (a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1, b0, b1, b2, b3, b4, b5, b6, b7, us0, us1,
+         x0, x1, x2, x3) = _sk_gate_up_load(tn, kc, w_ptr, s_ptr, x_ptr, ktt, lane, gg, t, part)
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+        gt += top
+        gb += bot
+        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+        ut += top
+        ub += bot
+        if ends & (n < hi - 1):  # the first segment ends inside the range
+            first = _sk_gate_up_part(gt, gb, ut, ub, part_ptr, lock_ptr, w, 0, seg0, ktt, S, W, g, t)
+            gt = tl.zeros((32,), dtype=tl.float32)
+            gb = gt
+            ut = gt
+            ub = gt
+    last_seg = (hi - 1) // ktt
+    last = _sk_gate_up_part(gt, gb, ut, ub, part_ptr, lock_ptr, w, (last_seg != lo // ktt).to(tl.int32), last_seg,
+                            ktt, S, W, g, t)
+    if first >= 0:
+        _sk_gate_up_finish(first, part_ptr, lock_ptr, hb_ptr, I, ktt, S, W, limit, HAS_LIMIT, CMAX)
+    if last >= 0:
+        _sk_gate_up_finish(last, part_ptr, lock_ptr, hb_ptr, I, ktt, S, W, limit, HAS_LIMIT, CMAX)
+
+
+@triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
                         SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
                         PDL: tl.constexpr = False):
@@ -1721,6 +1850,10 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
      _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit",
           "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
+          PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_gate_up_sk", moe_mma_gate_up_sk_kernel,  # its stream-K form (MOE_MMA["WAVE"])
+     _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit S",
+          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32 i32", HAS_LIMIT=True, CMAX=8,
           PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down", moe_mma_down_kernel,
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
