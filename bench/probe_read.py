@@ -7,6 +7,7 @@ and down 26.8 MB). Each size takes the best of a few tiles: programs reading con
 BLOCK-byte steps) and a grid of one program per chunk.
 
     python bench/probe_read.py [--out DIR]      # on the GPU machine (~30 s)
+    python bench/probe_read.py --sweep 33.6,53.6 --out DIR   # more tiles at a few sizes
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_kernels as B  # noqa: E402
 
 SIZES_MB = [8, 16, 26.8, 33.6, 53.6, 80.4, 256, 1024]
-TILES = [(16384, 4096, 4), (65536, 4096, 8), (65536, 8192, 8), (262144, 8192, 8), (32768, 2048, 2)]
+# (chunk, block, warps): the first five since run 62; the last three won the run-81 sweep at 26.8 / 33.6 / 53.6 MB
+TILES = [(16384, 4096, 4), (65536, 4096, 8), (65536, 8192, 8), (262144, 8192, 8), (32768, 2048, 2),
+         (8192, 2048, 1), (8192, 4096, 4), (16384, 8192, 8)]
 
 
 @triton.jit
@@ -42,15 +45,22 @@ def read_kernel(src, out, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", help="comma-separated sizes in MB: try every tile of 8-64 KB a program, 2-16 KB a "
+                                    "step, 16-128 bytes a thread a step, 1-8 warps (instead of the five tiles)")
     a = ap.parse_args()
+    sizes, tiles = SIZES_MB, TILES
+    if a.sweep:
+        sizes = [float(v) for v in a.sweep.split(",")]
+        tiles = [(c, b, w) for c in (8192, 16384, 32768, 65536) for b in (2048, 4096, 8192, 16384)
+                 for w in (1, 2, 4, 8) if b <= c and 16 <= b // (w * 32) <= 128]
     copy = B.copy_tbps()
     rows = []
-    for mb in SIZES_MB:
+    for mb in sizes:
         nbytes = int(mb * 1e6) // 64 * 64  # whole 16-word vectors
         copies = max(2, -(-240_000_000 // nbytes))
         bufs = [torch.randint(-1000, 1000, (nbytes // 4,), device="cuda", dtype=torch.int32) for _ in range(copies)]
         best = None
-        for chunk, block, warps in TILES:
+        for chunk, block, warps in tiles:
             grid = -(-nbytes // chunk)
             out = torch.empty(grid, device="cuda", dtype=torch.int32)
 

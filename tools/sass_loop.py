@@ -12,7 +12,7 @@ last load: with PREFETCH the next step's loads should all precede the current st
     python tools/sass_loop.py PREFETCH=True PRMT=True  # constexpr (or num_warps) overrides where the kernel has
     python tools/sass_loop.py --dump /tmp/sass         # them (PRMT is sm_90 only); --dump writes each loop body
     python tools/sass_loop.py --only moe_mma_gate_up,moe_mma_down  # the tensor-core kernels (sm_90 only)
-    python tools/sass_loop.py --only moe_mma_gate_up_sk maxnreg=64  # under a register cap (a launch option)
+    python tools/sass_loop.py --only moe_mma_gate_up maxnreg=56      # under a register cap (a launch option)
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ def cases() -> dict[str, tuple]:
 # The one-token tensor-core MXFP4 kernels (inline PTX: sm_90 only): name -> (ISA spec, runtime ints, codes a warp's
 # loop step covers: gate/up two 16 x 128 row tiles, down two 128-wide K tiles of one).
 MMA_CASES = {"moe_mma_gate_up": ("moe_mma_gate_up", dict(I=2048, D=4096), 4096),
-             "moe_mma_gate_up_sk": ("moe_mma_gate_up_sk", dict(I=2048, D=4096, S=24576), 4096),
              "moe_mma_down": ("moe_mma_down", dict(D=4096, I=2048, TOPK=6), 4096)}
 
 

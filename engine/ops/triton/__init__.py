@@ -362,13 +362,8 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
 # run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above. PDL (sm_90): down is launched as
 # a programmatic dependent of gate/up, so its first weights load while gate/up finishes.
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "WAVE": 0, "MAXNREG": 0}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
-
-
-def _sms(device: torch.device) -> int:
-    """The GPU's multiprocessor count (a stream-K grid's wave)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _mma_pdl(device: torch.device) -> bool:
@@ -430,17 +425,6 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     words, scales, _ = _mma_weights(w1, w3)
     k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(k, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
-    if MOE_MMA["WAVE"]:  # stream-K: one wave of one-warp programs
-        segs, ktt = k * inter // 16, d // 128
-        steps = segs * ktt
-        grid = min(steps, max(segs, _sms(x.device) * MOE_MMA["WAVE"]))
-        part = _empty(grid, 2, 32, dtype=torch.float32, device=x.device)
-        _Launch(x)("moe_mma_gate_up_sk_kernel", (grid,), x, words, scales, plan[3], part,
-                   _locks(x.device, segs), hb, inter, d, float(limit or 0.0), steps,
-                   HAS_LIMIT=bool(limit and limit > 0), CMAX=_pow2(ktt // (steps // grid) + 2, 1),
-                   PDL=_mma_pdl(x.device), num_warps=1,
-                   **({"maxnreg": MOE_MMA["MAXNREG"]} if MOE_MMA["MAXNREG"] else {}))
-        return hb
     part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
     _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
                _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
