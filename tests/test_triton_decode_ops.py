@@ -311,3 +311,15 @@ def test_topk_kernel_matches_the_stable_sort(w, k):
     want_i, want_m = ref.topk(s, k)
     assert torch.equal(got_i, want_i)
     assert torch.equal(torch.nan_to_num(got_m, nan=-1.0), torch.nan_to_num(want_m, nan=-1.0))
+
+
+@pytest.mark.parametrize("tv, nv, ok", [("3.6.0", "2.4.6", False), ("3.6.0", "2.3.5", True), ("3.7.1", "2.4.6", True),
+                                        ("3.6.0+rocm7.0", "2.4.0", False), ("3.9.0", "2.4.6", True)])
+def test_interpreter_refuses_the_triton_numpy_pair_that_breaks_it(tv, nv, ok):
+    """Triton 3.6's interpreter with NumPy 2.4 fails every kernel with a runtime loop bound (checked here with both
+    installed); the engine says so in one line instead of 126 TypeErrors."""
+    if ok:
+        tri._interpreter_check(tv, nv)
+    else:
+        with pytest.raises(RuntimeError, match="numpy<2.4"):
+            tri._interpreter_check(tv, nv)

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import sys
 import weakref
 from collections.abc import Callable
@@ -73,10 +74,28 @@ def _interpret_env():
             os.environ["TRITON_INTERPRET"] = old
 
 
+def _version(v: str) -> tuple[int, ...]:
+    """'3.6.0+rocm' -> (3, 6, 0): the leading release numbers."""
+    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", v).group(0).split("."))
+
+
+def _interpreter_check(triton_version: str, numpy_version: str) -> None:
+    """Triton's CPU interpreter before 3.7 turns a runtime int argument (a 1-element array) into a Python int by
+    int(array), which NumPy 2.4 refuses: every kernel with a loop over a runtime bound fails (seen with Triton
+    3.6.0 and NumPy 2.4.6; 3.6 with NumPy 2.3 and 3.7+ with 2.4 work)."""
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        raise RuntimeError(f"Triton {triton_version}'s CPU interpreter cannot run with NumPy {numpy_version} (int() "
+                           "of a 1-element array): pip install 'numpy<2.4' or 'triton>=3.7'")
+
+
 def _interpreted() -> ModuleType:
     """kernels.py loaded a second time with every @triton.jit turned into an interpreted function."""
     global _INTERP
     if _INTERP is None:
+        import numpy
+        import triton
+
+        _interpreter_check(triton.__version__, numpy.__version__)
         name = __name__ + "._kernels_interp"
         spec = importlib.util.spec_from_file_location(name, _compiled.__file__)
         mod = importlib.util.module_from_spec(spec)
