@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", help="comma-separated sizes in MB: try every tile of 8-64 KB a program, 2-16 KB a "
-                                    "step, 16-128 bytes a thread a step, 1-8 warps (instead of the five tiles)")
+                                    "step, 16-128 bytes a thread a step, 1-8 warps (instead of TILES)")
     a = ap.parse_args()
     sizes, tiles = SIZES_MB, TILES
     if a.sweep:
