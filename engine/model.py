@@ -455,6 +455,7 @@ class Model:
         self.w = {k: (v.to(device) if isinstance(v, (QWeight, torch.Tensor)) else v) for k, v in weights.items()}
         self.rope_main, self.rope_c = _Rope(cfg, False, device, ops), _Rope(cfg, True, device, ops)
         self.side, self.side2 = SideStream(device, 1), SideStream(device, 2)  # a decode step's side branches
+        self.side_hc = SideStream(device, 3)  # each block's mHC post and comb, beside the block
         self.experts = [self._stack_experts(i) for i in range(cfg.num_hidden_layers)]
         self.attn = [Attention(self.w, i, self) for i in range(cfg.num_hidden_layers)]
         self.moe = [MoE(self.w, i, self) for i in range(cfg.num_hidden_layers)]
@@ -611,6 +612,7 @@ class Model:
         pos = sc.pos
         self.side.reset()
         self.side2.reset()
+        self.side_hc.reset()
         with self.side.beside():  # beside the embedding and the first mHC mix; joined before the first attention
             ctx.share_rope(self._decode_ropes, pos, token.shape[0])
             ids = token.to(self.device).reshape(-1)
@@ -646,19 +648,38 @@ class Model:
         def norm(i: int, block: str) -> tuple:  # the block's RMSNorm, applied by the mHC op before it
             return w[f"layers.{i}.{block}_norm.weight"], cfg.rms_norm_eps
 
-        post, comb, xin, xn = ops.hc_pre(h, *mix(0, "attn"), norm(0, "attn"))
+        side = self.side_hc
+
+        def pre(i: int, block: str, h: torch.Tensor, after: tuple = ()) -> tuple:
+            """mHC before block (i, block): hc_pre, or with `after` = (out, post, comb) of the block before,
+            hc_post_pre; the new streams, post, comb, input and normed input. Post and comb (Sinkhorn) come from
+            the mix sums beside the block: only the mHC post after it reads them (joined before that post)."""
+            fn, base, scale, n, iters, norm_eps, hc_eps = mix(i, block)
+            if after:
+                side.join()
+                h, sums, xin, xn = ops.hc_post_pre(after[0], h, *after[1:], *mix(i, block), norm(i, block),
+                                                   defer_weights=True)
+            else:
+                sums, xin, xn = ops.hc_pre(h, *mix(i, block), norm(i, block), defer_weights=True)
+            side.hold(sums)
+            with side.beside():
+                post, comb = ops.hc_weights(sums, base, scale, n, h.shape[-1], iters, norm_eps, hc_eps, h.dtype)
+            return h, post, comb, xin, xn
+
+        h, post, comb, xin, xn = pre(0, "attn", h)
         for i in range(cfg.num_hidden_layers):  # hc_post_pre: one block's mHC post and the next one's pre
             ctx.tap(f"{i}.attn_in", xin)
             a = attend(i, xn)
             ctx.tap(f"{i}.attn_out", a)
-            h, post, comb, xin, xn = ops.hc_post_pre(a, h, post, comb, *mix(i, "ffn"), norm(i, "ffn"))
+            h, post, comb, xin, xn = pre(i, "ffn", h, (a, post, comb))
             ctx.tap(f"{i}.attn", h)
             ctx.tap(f"{i}.ffn_in", xin)
             f = self.moe[i](xn, ids, ctx)
             ctx.tap(f"{i}.ffn_out", f)
             if i + 1 < cfg.num_hidden_layers:
-                h, post, comb, xin, xn = ops.hc_post_pre(f, h, post, comb, *mix(i + 1, "attn"), norm(i + 1, "attn"))
+                h, post, comb, xin, xn = pre(i + 1, "attn", h, (f, post, comb))
             else:
+                side.join()
                 h = ops.hc_post(f, h, post, comb)
             ctx.tap(f"{i}.ffn", h)
         _, y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps,

@@ -1,6 +1,7 @@
 """Side CUDA streams for decode work that does not wait on the work beside it: the shared expert next to the
 router and routed experts; a compressed layer's compressor, and its indexer on a second side stream, next to
-its q projection. In a captured decode graph the branches run in parallel, so small latency-bound kernels
+its q projection; each block's mHC post and comb (Sinkhorn) on a third, beside the block. In a captured decode
+graph the branches run in parallel, so small latency-bound kernels
 overlap instead of queueing one after another (each costs ~2-5 us however few bytes it reads).
 
 Safety rests on the fork/join discipline: `beside()` first makes the side stream wait for everything issued
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-BRANCHES = 3  # the main branch (0) and the two side branches a decode step uses (1, 2)
+BRANCHES = 4  # the main branch (0) and the side branches a step uses (1, 2; 3 for mHC's post and comb)
 _BRANCH = contextvars.ContextVar("cdna2_branch", default=0)  # the branch whose work is being issued now
 
 

@@ -93,7 +93,8 @@ def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("B,S", SHAPES)
 def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n):
-    """mHC around a block: pre/post weights, Sinkhorn comb and collapsed input, then the new streams."""
+    """mHC around a block: pre/post weights, Sinkhorn comb and collapsed input (in one op, and as the decode step
+    runs it: the collapse, then post and comb from the mix sums by hc_weights), then the new streams."""
     torch.manual_seed(B * 100 + S + n)
     D = 300
     h, out = rnd(B, S, n, D, dev=cdna2_device, dtype=dtype), rnd(B, S, D, dev=cdna2_device, dtype=dtype)
@@ -107,6 +108,12 @@ def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B,
           torch.float32, cdna2_tolerance, cdna2_record)  # computed in fp32 from any h
     check("hc_pre_input", x, rx, dtype, cdna2_tolerance, cdna2_record)
     check("hc_pre_normed_input", xn, rxn, dtype, cdna2_tolerance, cdna2_record)
+    sums, dx, dxn = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6), defer_weights=True)  # the decode
+    dpost, dcomb = ops.hc_weights(sums, base, scale, n, D, 20, 1e-6, 1e-6, dtype)  # step's form: weights beside
+    check("hc_weights", torch.cat([dpost, dcomb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
+          torch.float32, cdna2_tolerance, cdna2_record)
+    check("hc_pre_deferred_input", dx, rx, dtype, cdna2_tolerance, cdna2_record)
+    check("hc_pre_deferred_normed_input", dxn, rxn, dtype, cdna2_tolerance, cdna2_record)
     y = ops.hc_post(out, h, rpost.float(), rcomb.float())
     check("hc_post", y, reference.hc_post(f64(out), f64(h), rpost, rcomb), dtype, cdna2_tolerance, cdna2_record)
 

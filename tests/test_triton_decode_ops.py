@@ -86,6 +86,42 @@ def test_hc_pre(n, rows, d, dtype):
         assert rel(a, b) <= t
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
+def test_hc_weights_deferred(n, rows, d):
+    """defer_weights: the collapse alone (the same x and normed x as the one-launch form), and post and comb from
+    the mix sums by hc_weights (its own launch, run beside the block) as the float64 reference's. The sums' form
+    is shared by the backends: either backend's hc_weights reads either's sums (how CDNA2_REFERENCE_OPS can
+    switch one of the two ops alone)."""
+    g = torch.Generator().manual_seed(n * 3 + rows + d)
+    h, out = torch.randn(rows, 1, n, d, generator=g) * 2, torch.randn(rows, 1, d, generator=g)
+    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
+    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
+    nw = 1 + 0.1 * torch.randn(d, generator=g)
+    post0, comb0 = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
+    args = (fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
+    f64 = [a.double() if isinstance(a, torch.Tensor) else a for a in args[:-1]] + [(nw.double(), 1e-6)]
+    for fused, deferred, want in (
+            (tri.hc_pre(h, *args), tri.hc_pre(h, *args, defer_weights=True), ref.hc_pre(h.double(), *f64)),
+            (tri.hc_post_pre(out, h, post0, comb0, *args)[1:],
+             tri.hc_post_pre(out, h, post0, comb0, *args, defer_weights=True)[1:],
+             ref.hc_post_pre(out.double(), h.double(), post0.double(), comb0.double(), *f64)[1:])):
+        sums, x, xn = deferred
+        assert sums.shape[:2] == (rows, 1) and sums.shape[-1] == 2 * n + 2 * n * n
+        assert torch.equal(x, fused[2]) and torch.equal(xn, fused[3])
+        post, comb = tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)
+        assert post.dtype == comb.dtype == torch.float32
+        assert rel(post, want[0]) <= 1e-5 and rel(comb, want[1]) <= 1e-5
+        rpost, rcomb = ref.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)  # triton's sums, reference
+        assert rel(rpost, post) <= 1e-6 and rel(rcomb, comb) <= 1e-6
+    rsums = ref.hc_pre(h.double(), *f64, defer_weights=True)[0]  # the reference's sums (one split)
+    want = ref.hc_pre(h.double(), *f64)
+    got = ref.hc_weights(rsums, base.double(), scale.double(), n, d, 20, 1e-6, 1e-6, torch.float64)
+    assert rel(got[0], want[0]) <= 1e-12 and rel(got[1], want[1]) <= 1e-12
+    got = tri.hc_weights(rsums, base, scale, n, d, 20, 1e-6, 1e-6, torch.float32)  # the reference's sums, triton
+    assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
+
+
 @pytest.mark.parametrize("delta", [1e-1, 1e-2, 1e-3])
 def test_hc_block_norm_where_the_streams_cancel(delta):
     """The block norm's sum of squares comes from the streams' Gram matrix (pre^T G pre): with streams that

@@ -20,6 +20,7 @@ OP_NAMES = (
     "hc_pre",
     "hc_post",
     "hc_post_pre",
+    "hc_weights",
     "hc_head",
     "compress_step",
     "rope",

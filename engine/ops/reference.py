@@ -189,14 +189,41 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
+           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None,
+           defer_weights: bool = False) -> tuple:
     """mHC before a block, from the streams h [..., n, D]: (post [..., n], comb [..., n, n], the collapsed
     block input sum_k pre_k h_k [..., D] in h.dtype); pre/post/comb in fp32 (fp64 for fp64 h). With
-    `block_norm` = (weight, eps) also the block's normed input rms_norm(x, weight, eps), fourth."""
+    `block_norm` = (weight, eps) also the block's normed input rms_norm(x, weight, eps), fourth.
+    `defer_weights`: (mix, x[, xn]) instead, post and comb left to `hc_weights(mix, ...)`, which the caller
+    can run beside the block (only the block's hc_post reads them); mix is `hc_mix_sums`' form."""
     acc = _acc(h.dtype)
     pre, post, comb = hc_split(hc_mix(h, fn, norm_eps), base.to(acc), scale.to(acc), n, iters, hc_eps)
     x = (pre.unsqueeze(-1) * h.to(acc)).sum(-2).to(h.dtype)
-    return (post, comb, x) if block_norm is None else (post, comb, x, rms_norm(x, *block_norm))
+    head = (hc_mix_sums(h, fn),) if defer_weights else (post, comb)
+    return (*head, x) if block_norm is None else (*head, x, rms_norm(x, *block_norm))
+
+
+def hc_mix_sums(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """mHC's mix as the sums a backend may split: [..., splits, MIX + n*n] (float64 here; a backend's may be
+    any float dtype), per split the dots of the flattened streams h [..., n, D] (not normalized) with fn's MIX
+    rows, then the streams' Gram matrix sum_d h_j h_k (whose trace gives the RMS); summed over splits in
+    order they give the mix. One split here."""
+    hd = h.double()
+    dots = hd.flatten(-2) @ fn.double().T
+    return torch.cat([dots, (hd @ hd.transpose(-1, -2)).flatten(-2)], -1).unsqueeze(-2)
+
+
+def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, d: int, iters: int,
+               norm_eps: float, hc_eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """mHC's post [..., n] and comb [..., n, n] (as hc_pre's) from the mix sums `mix` (`hc_mix_sums`' form) of
+    streams of width d and dtype `dtype`: fp32 (fp64 for fp64 streams), as hc_pre's."""
+    acc = _acc(dtype)
+    s = mix.double().sum(-2)
+    width = 2 * n + n * n
+    ss = s[..., width:].unflatten(-1, (n, n)).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+    logits = (s[..., :width] * torch.rsqrt(ss / (n * d) + norm_eps)).to(acc)
+    _, post, comb = hc_split(logits, base.to(acc), scale.to(acc), n, iters, hc_eps)
+    return post, comb
 
 
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -207,12 +234,13 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float,
-                hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
+                hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None,
+                defer_weights: bool = False) -> tuple:
     """mHC between two blocks: hc_post of the block before, then hc_pre of the next (fn, base, scale): the new
-    streams, and the next block's post, comb and input (and its normed input with `block_norm`; a backend
-    may fuse all of it)."""
+    streams, and the next block's post, comb (or, `defer_weights`, its mix) and input (and its normed input
+    with `block_norm`; a backend may fuse all of it)."""
     h2 = hc_post(out, h, post, comb)
-    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm))
+    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm, defer_weights))
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,

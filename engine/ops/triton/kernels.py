@@ -1168,37 +1168,37 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
                   N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x, stride_hn,
                   PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD: tl.constexpr = False, NORM: tl.constexpr = False, nw_ptr=None, xn_ptr=None, BLOCK_EPS=0.0):
-    """Program (row, D block), fp32: the mix (splits summed in order, times the streams' inverse RMS), then
-    pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax and ITERS alternating column/row
-    normalizations (Sinkhorn), then this block of the collapsed block input sum_k pre_k h_k in h's dtype.
-    Every D block recomputes the (tiny) weights so the collapse spreads over the GPU; block 0 stores post
-    and comb. HEAD: the model head's mHC (the mix is pre only; no post, no comb).
-    NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the RMSNorm
-    after mHC, no launch of its own): the sum of squares of the whole row of x is pre^T G pre, G the
-    streams' Gram matrix from the mix partials (fp64: with streams that cancel, ||h||^2 >> ||x||^2, an fp32 G
-    would lose that ratio squared), so no block waits for another (it is that of x before x is rounded to its
-    dtype: the same up to that rounding)."""
+                  WEIGHTS: tl.constexpr = True, COLLAPSE: tl.constexpr = True, NORM: tl.constexpr = False,
+                  nw_ptr=None, xn_ptr=None, BLOCK_EPS=0.0):
+    """Program (row, D block), fp32, from the split mix sums part [row, split, PW] (the dots with fn's rows,
+    then the streams' Gram matrix G at PW - N*N; splits summed in order, times the streams' inverse RMS):
+    WEIGHTS: post = 2 sigmoid and comb = row softmax then ITERS alternating column/row normalizations
+    (Sinkhorn), stored by block 0. COLLAPSE: pre = sigmoid + eps and this block of the collapsed block input
+    sum_k pre_k h_k in x's dtype. Every D block recomputes the (tiny) weights so the collapse spreads over the
+    GPU. Without WEIGHTS (the model head, whose mix is pre only, or a collapse whose post and comb another
+    launch makes beside the block: op hc_weights) only the pre and Gram sums are read, and no Sinkhorn is on
+    the path. NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the
+    RMSNorm after mHC, no launch of its own): the sum of squares of the whole row of x is pre^T G pre (fp64:
+    with streams that cancel, ||h||^2 >> ||x||^2, an fp32 G would lose that ratio squared), so no block waits
+    for another (it is that of x before x is rounded to its dtype: the same up to that rounding)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = rd < D
-    hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=ok[:, None] & d_ok[None, :],
-                 other=0.0).to(tl.float32)  # first: its round trip overlaps the weights' arithmetic below
+    if COLLAPSE:
+        hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)  # first: its round trip overlaps the weights' arithmetic below
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
-    m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
-                   axis=0).to(tl.float32)
     ok2 = ok[:, None] & ok[None, :]
     ij = i[:, None] * N + i[None, :]
     gram = tl.sum(tl.load(part[:, None, None] + PW - N * N + ij[None, :, :], mask=sp_ok[:, None, None] & ok2[None],
                           other=0.0), axis=0)  # [NP, NP], fp64
     ss = tl.sum(tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1), axis=0).to(tl.float32)  # trace
     r = 1.0 / tl.sqrt(ss / (N * D) + NORM_EPS)
-    pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
-    if not HEAD:
+    if WEIGHTS:
         m_post = tl.sum(tl.load(part[:, None] + N + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
                         axis=0).to(tl.float32)
         m_comb = tl.sum(tl.load(part[:, None, None] + 2 * N + ij[None, :, :],
@@ -1215,15 +1215,19 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
         if tl.program_id(1) == 0:
             tl.store(post_ptr + row * N + i, post, mask=ok)
             tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
-    pre = tl.where(ok, pre, 0.0)
-    x = tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty)
-    tl.store(x_ptr + row * stride_x + rd, x, mask=d_ok)
-    if NORM:
-        pd = pre.to(tl.float64)
-        ssx = tl.maximum(tl.sum(tl.sum(pd[:, None] * gram * pd[None, :], axis=1), axis=0), 0.0)
-        rx = (1.0 / tl.sqrt(ssx / D + BLOCK_EPS)).to(tl.float32)
-        y = x.to(tl.float32) * rx * tl.load(nw_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
-        tl.store(xn_ptr + row * stride_x + rd, y.to(xn_ptr.dtype.element_ty), mask=d_ok)
+    if COLLAPSE:
+        m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
+                       axis=0).to(tl.float32)
+        pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
+        pre = tl.where(ok, pre, 0.0)
+        x = tl.sum(pre[:, None] * hv, axis=0).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + rd, x, mask=d_ok)
+        if NORM:
+            pd = pre.to(tl.float64)
+            ssx = tl.maximum(tl.sum(tl.sum(pd[:, None] * gram * pd[None, :], axis=1), axis=0), 0.0)
+            rx = (1.0 / tl.sqrt(ssx / D + BLOCK_EPS)).to(tl.float32)
+            y = x.to(tl.float32) * rx * tl.load(nw_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(xn_ptr + row * stride_x + rd, y.to(xn_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -1685,16 +1689,25 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
           "*bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, NP=4, MIXP=32, BLOCK_D=32), 4, False),
-    ("hc_pre", hc_pre_kernel,  # with the block's RMSNorm (the decode step's form)
+    ("hc_pre", hc_pre_kernel,  # weights, collapse and the block's RMSNorm in one launch (op hc_pre)
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
           "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
-          PW=40, NP=4, SPLITP=128, BLOCK_D=256, HEAD=False, NORM=True), 1, False),
+          PW=40, NP=4, SPLITP=128, BLOCK_D=256, NORM=True), 1, False),
+    ("hc_collapse", hc_pre_kernel,  # the collapse and norm alone (op hc_pre, defer_weights: the decode step's form)
+     _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
+          "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
+          "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
+          PW=40, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=False, NORM=True), 1, False),
+    ("hc_weights", hc_pre_kernel,  # post and comb (Sinkhorn) from the mix sums, beside the block
+     _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
+          "stride_h stride_x stride_hn", "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 "
+          "i32 i32", PW=40, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=True, COLLAPSE=False), 1, False),
     ("hc_head", hc_pre_kernel,  # the model head's collapse and final norm: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
           "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *fp32 fp32",
-          PW=20, NP=4, SPLITP=128, BLOCK_D=256, HEAD=True, NORM=True), 1, False),
+          PW=20, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=False, NORM=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
