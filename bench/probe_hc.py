@@ -1,7 +1,6 @@
-"""Time mHC's collapse launch (hc_pre_kernel: the split mix partials summed, Sinkhorn, the collapsed and normed
-block input) at V4-Flash decode (one token, 4 streams x 4096, the partials of hc_post's 128 D blocks), against
-variants that remove one part of its work, to see which part its time on the step's chain goes to; and the
-decode step's form: the collapse alone (on the chain) and hc_weights (post and comb, beside the block).
+"""Time mHC's launches at V4-Flash decode (one token, 4 streams x 4096, the partials of hc_post's 128 D blocks):
+hc_post with the next mix's partials and the collapse (on the step's chain), and hc_weights (post and comb,
+beside the block), with variants that remove part of the work (fewer splits, one Sinkhorn iteration).
 
     python bench/probe_hc.py     # on the GPU machine (~20 s)
 """
@@ -31,16 +30,15 @@ def main() -> None:
     nw = torch.ones(d, device=B.DEV, dtype=B.ACT)
     parts = [tri._hc_post(o, h, p, c, f) for o, h, p, c, f in sets]
 
-    def collapse(y, part, it=iters, split=None, weights=True):
+    def collapse(y, part, split=None):
         tri._hc_collapse(part[:, :split] if split else part, split or part.shape[1], y.view(-1, n, d), base, scale,
-                         n, it, eps, eps, weights, False, (nw, eps))
+                         n, eps, eps, False, (nw, eps))
 
     rows = [("hc_post + next mix partials", lambda o, h, p, c, f: tri._hc_post(o, h, p, c, f), sets)]
-    rows += [(f"hc_pre, {it} Sinkhorn iterations, {sp or 128} splits", lambda y, part, it=it, sp=sp:
-              collapse(y, part, it, sp), parts) for it, sp in ((iters, None), (1, None), (iters, 16), (1, 16))]
-    rows += [("collapse alone (defer_weights)", lambda y, part: collapse(y, part, weights=False), parts),
-             ("hc_weights (beside the block)",
-              lambda y, part: tri.hc_weights(part, base, scale, n, d, iters, eps, eps, B.ACT), parts)]
+    rows += [(f"collapse (hc_pre's second launch), {sp or 128} splits", lambda y, part, sp=sp: collapse(y, part, sp),
+              parts) for sp in (None, 16)]
+    rows += [(f"hc_weights (beside the block), {it} Sinkhorn iterations", lambda y, part, it=it:
+              tri.hc_weights(part, base, scale, n, d, it, eps, eps, B.ACT), parts) for it in (iters, 1)]
     for name, fn, args in rows:
         print(f"{name:45s} {B.time_graph_ms(fn, args) * 1e3:6.2f} us", flush=True)
 

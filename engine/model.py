@@ -639,31 +639,24 @@ class Model:
         B, S = ids.shape
         x = torch.nn.functional.embedding(ids, w["embed.weight"]).to(self.dtype)
         h = x.unsqueeze(2).expand(B, S, cfg.hc_mult, -1)  # [B, S, hc, D]
-        hc = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
-
-        def mix(i: int, block: str) -> tuple:
-            p = f"layers.{i}.hc_{block}_"
-            return w[p + "fn"], w[p + "base"], w[p + "scale"], *hc
-
-        def norm(i: int, block: str) -> tuple:  # the block's RMSNorm, applied by the mHC op before it
-            return w[f"layers.{i}.{block}_norm.weight"], cfg.rms_norm_eps
-
+        n, d, iters, eps, hc_eps = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps
         side = self.side_hc
 
         def pre(i: int, block: str, h: torch.Tensor, after: tuple = ()) -> tuple:
             """mHC before block (i, block): hc_pre, or with `after` = (out, post, comb) of the block before,
             hc_post_pre; the new streams, post, comb, input and normed input. Post and comb (Sinkhorn) come from
             the mix sums beside the block: only the mHC post after it reads them (joined before that post)."""
-            fn, base, scale, n, iters, norm_eps, hc_eps = mix(i, block)
+            p = f"layers.{i}.hc_{block}_"
+            fn, base, scale = w[p + "fn"], w[p + "base"], w[p + "scale"]
+            nw = (w[f"layers.{i}.{block}_norm.weight"], eps)  # the block's RMSNorm, applied by the mHC op
             if after:
                 side.join()
-                h, sums, xin, xn = ops.hc_post_pre(after[0], h, *after[1:], *mix(i, block), norm(i, block),
-                                                   defer_weights=True)
+                h, sums, xin, xn = ops.hc_post_pre(after[0], h, *after[1:], fn, base, scale, n, eps, hc_eps, nw)
             else:
-                sums, xin, xn = ops.hc_pre(h, *mix(i, block), norm(i, block), defer_weights=True)
+                sums, xin, xn = ops.hc_pre(h, fn, base, scale, n, eps, hc_eps, nw)
             side.hold(sums)
             with side.beside():
-                post, comb = ops.hc_weights(sums, base, scale, n, h.shape[-1], iters, norm_eps, hc_eps, h.dtype)
+                post, comb = ops.hc_weights(sums, base, scale, n, d, iters, eps, hc_eps, h.dtype)
             return h, post, comb, xin, xn
 
         h, post, comb, xin, xn = pre(0, "attn", h)

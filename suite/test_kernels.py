@@ -93,34 +93,30 @@ def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("B,S", SHAPES)
 def test_hc_pre_post(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n):
-    """mHC around a block: pre/post weights, Sinkhorn comb and collapsed input (in one op, and as the decode step
-    runs it: the collapse, then post and comb from the mix sums by hc_weights), then the new streams."""
+    """mHC around a block: the collapsed (and normed) input, post and Sinkhorn comb from the mix sums
+    (hc_weights, which the decode step runs beside the block), then the new streams."""
     torch.manual_seed(B * 100 + S + n)
     D = 300
     h, out = rnd(B, S, n, D, dev=cdna2_device, dtype=dtype), rnd(B, S, D, dev=cdna2_device, dtype=dtype)
     fn = rnd(2 * n + n * n, n * D, dev=cdna2_device, scale=3 / (n * D) ** 0.5)
     base, scale = rnd(2 * n + n * n, dev=cdna2_device), torch.rand(3, device=cdna2_device) + 0.5
     nw = 1 + 0.1 * rnd(D, dev=cdna2_device, dtype=dtype)  # the block's RMSNorm, applied by the mHC op
-    post, comb, x, xn = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
-    rpost, rcomb, rx, rxn = reference.hc_pre(f64(h), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6,
-                                             (f64(nw), 1e-6))
-    check("hc_pre_weights", torch.cat([post, comb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
+    sums, x, xn = ops.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-6))
+    post, comb = ops.hc_weights(sums, base, scale, n, D, 20, 1e-6, 1e-6, dtype)
+    rsums, rx, rxn = reference.hc_pre(f64(h), f64(fn), f64(base), f64(scale), n, 1e-6, 1e-6, (f64(nw), 1e-6))
+    rpost, rcomb = reference.hc_weights(rsums, f64(base), f64(scale), n, D, 20, 1e-6, 1e-6, torch.float64)
+    check("hc_weights", torch.cat([post, comb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
           torch.float32, cdna2_tolerance, cdna2_record)  # computed in fp32 from any h
     check("hc_pre_input", x, rx, dtype, cdna2_tolerance, cdna2_record)
     check("hc_pre_normed_input", xn, rxn, dtype, cdna2_tolerance, cdna2_record)
-    sums, dx, dxn = ops.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6), defer_weights=True)  # the decode
-    dpost, dcomb = ops.hc_weights(sums, base, scale, n, D, 20, 1e-6, 1e-6, dtype)  # step's form: weights beside
-    check("hc_weights", torch.cat([dpost, dcomb.flatten(-2)], -1), torch.cat([rpost, rcomb.flatten(-2)], -1),
-          torch.float32, cdna2_tolerance, cdna2_record)
-    check("hc_pre_deferred_input", dx, rx, dtype, cdna2_tolerance, cdna2_record)
-    check("hc_pre_deferred_normed_input", dxn, rxn, dtype, cdna2_tolerance, cdna2_record)
     y = ops.hc_post(out, h, rpost.float(), rcomb.float())
     check("hc_post", y, reference.hc_post(f64(out), f64(h), rpost, rcomb), dtype, cdna2_tolerance, cdna2_record)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_hc_post_pre(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, n):
-    """A block's mHC post fused with the next block's pre (the decode path): streams, weights and input."""
+    """A block's mHC post fused with the next block's pre (the decode path): streams, input, and post and
+    comb from the mix sums (split over the post launch's D blocks)."""
     torch.manual_seed(n + 11)
     D, dev = 300, cdna2_device
     h, out = rnd(1, 1, n, D, dev=dev, dtype=dtype), rnd(1, 1, D, dev=dev, dtype=dtype)
@@ -128,16 +124,18 @@ def test_hc_post_pre(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, n)
     fn = rnd(2 * n + n * n, n * D, dev=dev, scale=3 / (n * D) ** 0.5)
     base, scale = rnd(2 * n + n * n, dev=dev), torch.rand(3, device=dev) + 0.5
     nw = 1 + 0.1 * rnd(D, dev=dev, dtype=dtype)
-    got = ops.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
+    y, sums, x, xn = ops.hc_post_pre(out, h, post, comb, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-6))
+    weights = ops.hc_weights(sums, base, scale, n, D, 20, 1e-6, 1e-6, dtype)
     # the reference reads the streams as the kernel stores them (in dtype): the weights are then fp32 math
-    y = reference.hc_post(f64(out), f64(h), f64(post), f64(comb))
-    want = (y, *reference.hc_pre(f64(y.to(dtype)), f64(fn), f64(base), f64(scale), n, 20, 1e-6, 1e-6,
-                                 (f64(nw), 1e-6)))
-    check("hc_post_pre_streams", got[0], want[0], dtype, cdna2_tolerance, cdna2_record)
-    check("hc_post_pre_weights", torch.cat([got[1], got[2].flatten(-2)], -1),
-          torch.cat([want[1], want[2].flatten(-2)], -1), torch.float32, cdna2_tolerance, cdna2_record)
-    check("hc_post_pre_input", got[3], want[3], dtype, cdna2_tolerance, cdna2_record)
-    check("hc_post_pre_normed_input", got[4], want[4], dtype, cdna2_tolerance, cdna2_record)
+    ry = reference.hc_post(f64(out), f64(h), f64(post), f64(comb))
+    rsums, rx, rxn = reference.hc_pre(f64(ry.to(dtype)), f64(fn), f64(base), f64(scale), n, 1e-6, 1e-6,
+                                      (f64(nw), 1e-6))
+    rweights = reference.hc_weights(rsums, f64(base), f64(scale), n, D, 20, 1e-6, 1e-6, torch.float64)
+    check("hc_post_pre_streams", y, ry, dtype, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_weights", torch.cat([weights[0], weights[1].flatten(-2)], -1),
+          torch.cat([rweights[0], rweights[1].flatten(-2)], -1), torch.float32, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_input", x, rx, dtype, cdna2_tolerance, cdna2_record)
+    check("hc_post_pre_normed_input", xn, rxn, dtype, cdna2_tolerance, cdna2_record)
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])

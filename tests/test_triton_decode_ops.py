@@ -58,68 +58,66 @@ def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkey
     assert calls == []
 
 
+def _hc_case(g: torch.Generator, n: int, d: int, dtype: torch.dtype) -> tuple:
+    """mHC weights for n streams of width d: fn [2n + n*n, n*d], base, scale, and a block RMSNorm weight."""
+    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
+    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
+    return fn, base, scale, (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+
+
+def _f64(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.double() for t in ts]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (5, 40), (3, 1100)])  # d > one 1024 block; K split or not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_hc_pre(n, rows, d, dtype):
+@pytest.mark.parametrize("broadcast", [False, True], ids=["streams", "embedding"])
+def test_hc_pre_and_weights(n, rows, d, dtype, broadcast):
+    """hc_pre's collapse (and the block's RMSNorm in the same launch) and hc_weights' post and comb from its mix
+    sums, against float64. `embedding`: the first block's streams, one row broadcast (stream stride 0)."""
     g = torch.Generator().manual_seed(n * 10 + rows + d)
     h = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype)
-    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
-    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
-    nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)  # the block's RMSNorm weight, applied in the same launch
-    got = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
-    want = ref.hc_pre(h.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6,
-                      (nw.double(), 1e-6))
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # xin is rounded to fp16: the kernel tier's fp16 limit
-    for a, b, t in zip(got, want, (1e-5, 1e-5, tol, tol), strict=True):
-        assert a.shape == b.shape
-        assert rel(a, b) <= t
-    comb = got[1].double()
-    assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)  # doubly stochastic
-    plain = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6)  # without the norm: the same three, no fourth
-    assert len(plain) == 3 and all(torch.equal(a, b) for a, b in zip(plain, got[:3], strict=True))
-    x = h[:, :, :1].expand(rows, 1, n, d)  # the first block's streams: one row broadcast, stream stride 0
-    assert x.stride(2) == 0
-    bgot = tri.hc_pre(x, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
-    bwant = ref.hc_pre(x.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6, (nw.double(), 1e-6))
-    for a, b, t in zip(bgot, bwant, (1e-5, 1e-5, tol, tol), strict=True):
-        assert rel(a, b) <= t
+    if broadcast:
+        h = h[:, :, :1].expand(rows, 1, n, d)
+        assert h.stride(2) == 0
+    fn, base, scale, nw = _hc_case(g, n, d, dtype)
+    sums, x, xn = tri.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-6))
+    rsums, rx, rxn = ref.hc_pre(*_f64(h, fn, base, scale), n, 1e-6, 1e-6, (nw.double(), 1e-6))
+    assert sums.shape[:2] == (rows, 1) and sums.shape[-1] == 2 * n + 2 * n * n
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # x is rounded to fp16: the kernel tier's fp16 limit
+    assert rel(x, rx) <= tol and rel(xn, rxn) <= tol
+    plain = tri.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6)  # without the norm: the same two, no third
+    assert len(plain) == 2 and torch.equal(plain[1], x)
+    post, comb = tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)
+    rpost, rcomb = ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64)
+    assert post.dtype == comb.dtype == torch.float32  # fp32 from any streams' dtype but fp64
+    assert rel(post, rpost) <= 1e-5 and rel(comb, rcomb) <= 1e-5
+    # Sinkhorn ends on a column normalization: columns sum to 1 (rows only approach it in 20 iterations)
+    assert torch.allclose(comb.double().sum(-2), torch.ones(rows, 1, n, dtype=torch.float64), atol=1e-4)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
-def test_hc_weights_deferred(n, rows, d):
-    """defer_weights: the collapse alone (the same x and normed x as the one-launch form), and post and comb from
-    the mix sums by hc_weights (its own launch, run beside the block) as the float64 reference's. The sums' form
-    is shared by the backends: either backend's hc_weights reads either's sums (how CDNA2_REFERENCE_OPS can
-    switch one of the two ops alone)."""
+def test_hc_mix_sums_are_shared_by_the_backends(n, rows, d):
+    """Either backend's hc_weights reads either backend's sums (the triton ones split over D blocks, the
+    reference's one split), so CDNA2_REFERENCE_OPS can switch hc_pre or hc_weights alone; and the reference's
+    post and comb from the sums equal those of the mix computed directly (the normalized streams times fn)."""
     g = torch.Generator().manual_seed(n * 3 + rows + d)
-    h, out = torch.randn(rows, 1, n, d, generator=g) * 2, torch.randn(rows, 1, d, generator=g)
-    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
-    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
-    nw = 1 + 0.1 * torch.randn(d, generator=g)
-    post0, comb0 = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
-    args = (fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-6))
-    f64 = [a.double() if isinstance(a, torch.Tensor) else a for a in args[:-1]] + [(nw.double(), 1e-6)]
-    for fused, deferred, want in (
-            (tri.hc_pre(h, *args), tri.hc_pre(h, *args, defer_weights=True), ref.hc_pre(h.double(), *f64)),
-            (tri.hc_post_pre(out, h, post0, comb0, *args)[1:],
-             tri.hc_post_pre(out, h, post0, comb0, *args, defer_weights=True)[1:],
-             ref.hc_post_pre(out.double(), h.double(), post0.double(), comb0.double(), *f64)[1:])):
-        sums, x, xn = deferred
-        assert sums.shape[:2] == (rows, 1) and sums.shape[-1] == 2 * n + 2 * n * n
-        assert torch.equal(x, fused[2]) and torch.equal(xn, fused[3])
-        post, comb = tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)
-        assert post.dtype == comb.dtype == torch.float32
-        assert rel(post, want[0]) <= 1e-5 and rel(comb, want[1]) <= 1e-5
-        rpost, rcomb = ref.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)  # triton's sums, reference
-        assert rel(rpost, post) <= 1e-6 and rel(rcomb, comb) <= 1e-6
-    rsums = ref.hc_pre(h.double(), *f64, defer_weights=True)[0]  # the reference's sums (one split)
-    want = ref.hc_pre(h.double(), *f64)
-    got = ref.hc_weights(rsums, base.double(), scale.double(), n, d, 20, 1e-6, 1e-6, torch.float64)
-    assert rel(got[0], want[0]) <= 1e-12 and rel(got[1], want[1]) <= 1e-12
-    got = tri.hc_weights(rsums, base, scale, n, d, 20, 1e-6, 1e-6, torch.float32)  # the reference's sums, triton
-    assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
+    h = torch.randn(rows, 1, n, d, generator=g) * 2
+    fn, base, scale, _ = _hc_case(g, n, d, torch.float32)
+    tsums, rsums = tri.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6)[0], ref.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6)[0]
+    assert tsums.shape[-2] > 1 and rsums.shape[-2] == 1  # triton: split; reference: one split
+    for wf in (tri.hc_weights, ref.hc_weights):
+        for sums in (tsums, rsums):
+            got = wf(sums, base, scale, n, d, 20, 1e-6, 1e-6, torch.float32)
+            want = ref.hc_weights(rsums.double(), *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64)
+            assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5
+    flat = h.double().flatten(-2)  # the mix as the paper writes it: RMS-normalized streams times fn
+    mix = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6) @ fn.double().T
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1].double() + base[n:2 * n].double())
+    got = ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64)
+    assert rel(got[0], post) <= 1e-12
 
 
 @pytest.mark.parametrize("delta", [1e-1, 1e-2, 1e-3])
@@ -135,16 +133,15 @@ def test_hc_block_norm_where_the_streams_cancel(delta):
     h = torch.cat([h1, -h1 + delta * torch.randn(rows, 1, 1, d, generator=g)], 2)  # [rows, 1, 2, d] fp32
     fn, base = torch.zeros(2 * n + n * n, n * d), torch.zeros(2 * n + n * n)  # pre = sigmoid(0) + eps for both
     scale, nw = torch.ones(3), 1 + 0.1 * torch.randn(d, generator=g)
-    _, _, x, got = tri.hc_pre(h, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-12))
+    _, x, got = tri.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-12))
     two_launch = tri.rms_norm(x, nw, 1e-12)
     assert rel(got, two_launch) <= 1e-6
-    want = ref.hc_pre(h.double(), fn.double(), base.double(), scale.double(), n, 20, 1e-6, 1e-6,
-                      (nw.double(), 1e-12))[3]
+    want = ref.hc_pre(*_f64(h, fn, base, scale), n, 1e-6, 1e-6, (nw.double(), 1e-12))[2]
     if delta >= 1e-2:
         assert rel(got, want) <= 1e-5
     post, comb = torch.zeros(rows, 1, n), torch.eye(n).expand(rows, 1, n, n)  # hc_post returns h itself
-    got = tri.hc_post_pre(torch.zeros(rows, 1, d), h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-12))
-    assert rel(got[4], tri.rms_norm(got[3], nw, 1e-12)) <= 1e-6
+    got = tri.hc_post_pre(torch.zeros(rows, 1, d), h, post, comb, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-12))
+    assert rel(got[3], tri.rms_norm(got[2], nw, 1e-12)) <= 1e-6
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -165,21 +162,21 @@ def test_hc_post(n, rows, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_hc_post_pre(n, rows, d, dtype):
     """A block's mHC post and the next block's pre in two launches (the post launch writes the next mix's
-    partials from the streams as rounded to their dtype): the streams, weights and input match the reference's
-    composition."""
+    partials from the streams as rounded to their dtype): the streams, input, normed input, and post and comb
+    from the sums, match the reference's composition."""
     g = torch.Generator().manual_seed(n * 7 + rows + d)
     h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
-    fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3
-    base, scale = torch.randn(2 * n + n * n, generator=g), torch.rand(3, generator=g) + 0.5
-    nw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
-    got = tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 20, 1e-6, 1e-6, (nw, 1e-5))
-    want = ref.hc_post_pre(out.double(), h.double(), post.double(), comb.double(), fn.double(), base.double(),
-                           scale.double(), n, 20, 1e-6, 1e-6, (nw.double(), 1e-5))
+    fn, base, scale, nw = _hc_case(g, n, d, dtype)
+    y, sums, x, xn = tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-5))
+    ry, rsums, rx, rxn = ref.hc_post_pre(*_f64(out, h, post, comb, fn, base, scale), n, 1e-6, 1e-6,
+                                         (nw.double(), 1e-5))
+    got = (y, x, xn, *tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, dtype))
+    want = (ry, rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
     # fp16: the new streams are rounded to fp16 (2^-11) before the next mix reads them, as stored streams are; the
     # float64 reference keeps them exact, so the weights differ by that rounding (the kernel tier's fp16 limit 1e-2
-    # for the streams, the input and the normed input, 1e-3 for the weights); fp32 against float64: 1e-5
-    tols = (1e-5,) * 5 if dtype == torch.float32 else (1e-2, 1e-3, 1e-3, 1e-2, 1e-2)
+    # for the streams, the input and the normed input, 1e-3 for post and comb); fp32 against float64: 1e-5
+    tols = (1e-5,) * 5 if dtype == torch.float32 else (1e-2, 1e-2, 1e-2, 1e-3, 1e-3)
     for a, b, t in zip(got, want, tols, strict=True):
         assert a.shape == b.shape
         assert rel(a, b) <= t

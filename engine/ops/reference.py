@@ -154,27 +154,22 @@ def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> 
     return torch.logical_and(hit, scores != float("-inf"), out=out)
 
 
-def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC's weights from its mix logits [..., 2n + n*n]: pre [..., n] (collapse), post [..., n] (expand)
-    and comb [..., n, n], a row softmax made doubly stochastic by `iters` Sinkhorn normalizations."""
-    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
-    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = mix[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
-    comb = torch.softmax(comb, -1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+def hc_mix_sums(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """mHC's mix as the sums a backend may split: [..., splits, MIX + n*n] (float64 here; a backend's may be
+    any float dtype), per split the dots of the flattened streams h [..., n, D] (not normalized) with fn's MIX
+    rows, then the streams' Gram matrix sum_d h_j h_k (its trace: their sum of squares); summed over the
+    splits they give the mix (`_hc_mix`). One split here."""
+    hd = h.double()
+    dots = hd.flatten(-2) @ fn.double().T
+    return torch.cat([dots, (hd @ hd.transpose(-1, -2)).flatten(-2)], -1).unsqueeze(-2)
 
 
-def hc_mix(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """mHC's mix logits: the flattened streams h [..., n, D], RMS-normalized (no weight), times fn^T."""
-    acc = _acc(h.dtype)
-    flat = h.to(acc).flatten(-2)
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    return flat @ fn.to(acc).T
+def _hc_mix(sums: torch.Tensor, n: int, d: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """mHC's mix logits [..., MIX] in dtype from its sums: the dots of the RMS-normalized (no weight) flattened
+    streams with fn's rows, the inverse RMS from the Gram matrix's trace over n * d values."""
+    s = sums.double().sum(-2)
+    ss = s[..., -n * n:].unflatten(-1, (n, n)).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+    return (s[..., :-n * n] * torch.rsqrt(ss / (n * d) + eps)).to(dtype)
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
@@ -183,46 +178,42 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     (fn has n rows: no post, no comb) -> [..., D] in fp32 (fp64 for fp64 h), for the final norm; with
     `block_norm` = (weight, eps), (that, its rms_norm) (a backend may fuse the norm)."""
     acc = _acc(h.dtype)
-    pre = torch.sigmoid(hc_mix(h, fn, norm_eps) * scale.to(acc) + base.to(acc)) + hc_eps
+    mix = _hc_mix(hc_mix_sums(h, fn), h.shape[-2], h.shape[-1], norm_eps, acc)
+    pre = torch.sigmoid(mix * scale.to(acc) + base.to(acc)) + hc_eps
     y = (pre.unsqueeze(-1) * h.to(acc)).sum(-2)
     return y if block_norm is None else (y, rms_norm(y, *block_norm))
 
 
-def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None,
-           defer_weights: bool = False) -> tuple:
-    """mHC before a block, from the streams h [..., n, D]: (post [..., n], comb [..., n, n], the collapsed
-    block input sum_k pre_k h_k [..., D] in h.dtype); pre/post/comb in fp32 (fp64 for fp64 h). With
-    `block_norm` = (weight, eps) also the block's normed input rms_norm(x, weight, eps), fourth.
-    `defer_weights`: (mix, x[, xn]) instead, post and comb left to `hc_weights(mix, ...)`, which the caller
-    can run beside the block (only the block's hc_post reads them); mix is `hc_mix_sums`' form."""
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float,
+           hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
+    """mHC before a block, from the streams h [..., n, D]: (the mix sums (`hc_mix_sums`' form), the collapsed
+    block input sum_k pre_k h_k [..., D] in h.dtype), pre = sigmoid(mix * scale + base) + eps in fp32 (fp64 for
+    fp64 h). With `block_norm` = (weight, eps) also the block's normed input rms_norm(x, weight, eps), third.
+    The block's post and comb come from the sums by `hc_weights`: only the mHC post after the block reads them,
+    so a caller can make them beside the block."""
     acc = _acc(h.dtype)
-    pre, post, comb = hc_split(hc_mix(h, fn, norm_eps), base.to(acc), scale.to(acc), n, iters, hc_eps)
+    sums = hc_mix_sums(h, fn)
+    mix = _hc_mix(sums, n, h.shape[-1], norm_eps, acc)
+    pre = torch.sigmoid(mix[..., :n] * scale[0].to(acc) + base[:n].to(acc)) + hc_eps
     x = (pre.unsqueeze(-1) * h.to(acc)).sum(-2).to(h.dtype)
-    head = (hc_mix_sums(h, fn),) if defer_weights else (post, comb)
-    return (*head, x) if block_norm is None else (*head, x, rms_norm(x, *block_norm))
+    return (sums, x) if block_norm is None else (sums, x, rms_norm(x, *block_norm))
 
 
-def hc_mix_sums(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """mHC's mix as the sums a backend may split: [..., splits, MIX + n*n] (float64 here; a backend's may be
-    any float dtype), per split the dots of the flattened streams h [..., n, D] (not normalized) with fn's MIX
-    rows, then the streams' Gram matrix sum_d h_j h_k (whose trace gives the RMS); summed over splits in
-    order they give the mix. One split here."""
-    hd = h.double()
-    dots = hd.flatten(-2) @ fn.double().T
-    return torch.cat([dots, (hd @ hd.transpose(-1, -2)).flatten(-2)], -1).unsqueeze(-2)
-
-
-def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, d: int, iters: int,
+def hc_weights(sums: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, d: int, iters: int,
                norm_eps: float, hc_eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """mHC's post [..., n] and comb [..., n, n] (as hc_pre's) from the mix sums `mix` (`hc_mix_sums`' form) of
-    streams of width d and dtype `dtype`: fp32 (fp64 for fp64 streams), as hc_pre's."""
+    """mHC's post [..., n] (the expand) and comb [..., n, n] (a row softmax made doubly stochastic by `iters`
+    Sinkhorn normalizations) from the mix sums of streams of width d and dtype `dtype` (hc_pre's first
+    result); fp32 (fp64 for fp64 streams)."""
     acc = _acc(dtype)
-    s = mix.double().sum(-2)
-    width = 2 * n + n * n
-    ss = s[..., width:].unflatten(-1, (n, n)).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
-    logits = (s[..., :width] * torch.rsqrt(ss / (n * d) + norm_eps)).to(acc)
-    _, post, comb = hc_split(logits, base.to(acc), scale.to(acc), n, iters, hc_eps)
+    mix = _hc_mix(sums, n, d, norm_eps, acc)
+    base, scale = base.to(acc), scale.to(acc)
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mix[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
+    comb = torch.softmax(comb, -1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     return post, comb
 
 
@@ -233,14 +224,12 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float,
-                hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None,
-                defer_weights: bool = False) -> tuple:
+                base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float, hc_eps: float,
+                block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
     """mHC between two blocks: hc_post of the block before, then hc_pre of the next (fn, base, scale): the new
-    streams, and the next block's post, comb (or, `defer_weights`, its mix) and input (and its normed input
-    with `block_norm`; a backend may fuse all of it)."""
+    streams, then hc_pre's results for the next block (a backend may fuse all of it)."""
     h2 = hc_post(out, h, post, comb)
-    return (h2, *hc_pre(h2, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm, defer_weights))
+    return (h2, *hc_pre(h2, fn, base, scale, n, norm_eps, hc_eps, block_norm))
 
 
 def compress_step(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,

@@ -739,77 +739,67 @@ def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _hc_collapse(part: torch.Tensor, split: int, h3: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                 n: int, iters: int, norm_eps: float, hc_eps: float, weights: bool, head: bool,
-                 block_norm: tuple[torch.Tensor, float] | None):
-    """One launch over (row, D block): the mHC weights from the mix partials (post and comb with `weights`),
-    the collapsed input and, with `block_norm` (weight, eps), its RMSNorm. Returns (post, comb, x, normed x or
-    None) flattened over rows (post, comb None without `weights`; the head's x is fp32)."""
+                 n: int, norm_eps: float, hc_eps: float, head: bool,
+                 block_norm: tuple[torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch over (row, D block): pre from the mix partials, the collapsed input and, with `block_norm`
+    (weight, eps), its RMSNorm: (x, normed x or None) flattened over rows (the head's x is fp32)."""
     rows, d = h3.shape[0], h3.shape[2]
-    post = _empty(rows, n, dtype=torch.float32, device=h3.device) if weights else None
-    comb = _empty(rows, n, n, dtype=torch.float32, device=h3.device) if weights else None
     x = _empty(rows, d, dtype=torch.float32 if head else h3.dtype, device=h3.device)  # the head's input: fp32
     xn = None if block_norm is None else _empty(*x.shape, dtype=x.dtype, device=x.device)
     norm = {} if block_norm is None else dict(NORM=True, nw_ptr=block_norm[0].contiguous(), xn_ptr=xn,
                                               BLOCK_EPS=float(block_norm[1]))
     bd = min(HC_BLOCK_D, _pow2(d))
     _Launch(h3)("hc_pre_kernel", (rows, triton_cdiv(d, bd)), part, h3, base.float().contiguous(),
-                scale.float().contiguous(), x if post is None else post, x if comb is None else comb, x, n, d,
-                split, iters, float(norm_eps), float(hc_eps), part.stride(0), h3.stride(0), x.stride(0),
-                h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=bd,
-                WEIGHTS=weights, num_warps=1, **norm)  # Sinkhorn's 40 tiny reductions within one warp: no barriers
-    return post, comb, x, xn
+                scale.float().contiguous(), x, x, x, n, d, split, 0, float(norm_eps), float(hc_eps), part.stride(0),
+                h3.stride(0), x.stride(0), h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2),
+                SPLITP=_pow2(split, 1), BLOCK_D=bd, num_warps=1, **norm)  # 1 warp: fastest (run 94)
+    return x, xn
 
 
-def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           norm_eps: float, hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None,
-           defer_weights: bool = False) -> tuple:
-    """mHC before a block (as reference.hc_pre): a split mix launch, then the Sinkhorn split, the collapse
-    and (`block_norm`) the block's RMSNorm over (row, D block) programs; `defer_weights`: the mix sums
-    instead of post and comb, for hc_weights (so Sinkhorn is not on the block's path)."""
+def _hc_out(h: torch.Tensor, part: torch.Tensor, x: torch.Tensor, xn: torch.Tensor | None) -> tuple:
+    """hc_pre's results shaped as h's leading dims: the mix sums part [..., split, PW], x and xn when normed."""
+    lead, d = h.shape[:-2], h.shape[-1]
+    out = (part.reshape(*lead, *part.shape[-2:]), x.reshape(*lead, d))
+    return out if xn is None else (*out, xn.reshape(*lead, d))
+
+
+def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float,
+           hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
+    """mHC before a block (as reference.hc_pre): a launch of split mix partials (the sums), then the collapse
+    and (`block_norm`) the block's RMSNorm over (row, D block) programs."""
     if _use_reference(h):
-        return _ref.hc_pre(h, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm, defer_weights)
+        return _ref.hc_pre(h, fn, base, scale, n, norm_eps, hc_eps, block_norm)
     h3 = _streams(h)
     part, split = _hc_mix(h3, fn)
-    return _hc_out(h, n, part, *_hc_collapse(part, split, h3, base, scale, n, iters, norm_eps, hc_eps,
-                                             not defer_weights, False, block_norm))
+    return _hc_out(h, part, *_hc_collapse(part, split, h3, base, scale, n, norm_eps, hc_eps, False, block_norm))
 
 
-def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, d: int, iters: int,
+def hc_weights(sums: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, d: int, iters: int,
                norm_eps: float, hc_eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """mHC's post and comb from the mix sums (as reference.hc_weights): one program a row."""
-    if _reference_dtype(dtype, mix.device):
-        return _ref.hc_weights(mix, base, scale, n, d, iters, norm_eps, hc_eps, dtype)
-    lead, (split, pw) = mix.shape[:-2], mix.shape[-2:]
-    part = mix.reshape(-1, split, pw).double().contiguous()
+    """mHC's post and comb (Sinkhorn) from the mix sums (as reference.hc_weights): one program a row, one warp
+    (Sinkhorn's 40 tiny reductions without barriers)."""
+    if _reference_dtype(dtype, sums.device):
+        return _ref.hc_weights(sums, base, scale, n, d, iters, norm_eps, hc_eps, dtype)
+    lead, (split, pw) = sums.shape[:-2], sums.shape[-2:]
+    part = sums.reshape(-1, split, pw).double().contiguous()
     rows = part.shape[0]
-    post = _empty(rows, n, dtype=torch.float32, device=mix.device)
-    comb = _empty(rows, n, n, dtype=torch.float32, device=mix.device)
+    post = _empty(rows, n, dtype=torch.float32, device=sums.device)
+    comb = _empty(rows, n, n, dtype=torch.float32, device=sums.device)
     _Launch(part)("hc_pre_kernel", (rows, 1), part, part, base.float().contiguous(), scale.float().contiguous(),
                   post, comb, post, n, d, split, iters, float(norm_eps), float(hc_eps), part.stride(0), 0, 0, 0,
-                  PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=1, WEIGHTS=True, COLLAPSE=False,
-                  num_warps=1)
+                  PW=pw, NP=_pow2(n, 2), SPLITP=_pow2(split, 1), BLOCK_D=1, WEIGHTS=True, num_warps=1)
     return post.reshape(*lead, n), comb.reshape(*lead, n, n)
-
-
-def _hc_out(h: torch.Tensor, n: int, part: torch.Tensor, post, comb, x, xn) -> tuple:
-    """hc_pre's results shaped as h's leading dims: (post, comb, x) and xn when normed; without post and comb
-    (deferred), the mix sums part [..., split, PW] in their place."""
-    lead, d = h.shape[:-2], h.shape[-1]
-    head = (part.reshape(*lead, *part.shape[-2:]),) if post is None else (post.reshape(*lead, n),
-                                                                          comb.reshape(*lead, n, n))
-    out = (*head, x.reshape(*lead, d))
-    return out if xn is None else (*out, xn.reshape(*lead, d))
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
             hc_eps: float, block_norm: tuple[torch.Tensor, float] | None = None):
-    """The model head's mHC collapse (as reference.hc_head): hc_pre's two launches without post and comb, with
-    the final RMSNorm in the second when `block_norm` is given."""
+    """The model head's mHC collapse (as reference.hc_head): hc_pre's two launches (fn has n rows: pre only),
+    with the final RMSNorm in the second when `block_norm` is given."""
     if _use_reference(h):
         return _ref.hc_head(h, fn, base, scale, norm_eps, hc_eps, block_norm)
     lead, (n, d) = h.shape[:-2], h.shape[-2:]
     h3 = _streams(h)
-    _, _, x, xn = _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, 0, norm_eps, hc_eps, False, True, block_norm)
+    x, xn = _hc_collapse(*_hc_mix(h3, fn), h3, base, scale, n, norm_eps, hc_eps, True, block_norm)
     return x.reshape(*lead, d) if xn is None else (x.reshape(*lead, d), xn.reshape(*lead, d))
 
 
@@ -841,19 +831,16 @@ def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_post_pre(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, norm_eps: float, hc_eps: float,
-                block_norm: tuple[torch.Tensor, float] | None = None, defer_weights: bool = False) -> tuple:
+                base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float, hc_eps: float,
+                block_norm: tuple[torch.Tensor, float] | None = None) -> tuple:
     """hc_post then the next block's hc_pre (as reference.hc_post_pre) in two launches instead of three: the
-    post launch also writes the next mix's partials, one split per D block; `block_norm` and `defer_weights`
-    as in hc_pre."""
+    post launch also writes the next mix's partials (the sums), one split per D block."""
     if _use_reference(out, h, post):
-        return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, iters, norm_eps, hc_eps, block_norm,
-                                defer_weights)
+        return _ref.hc_post_pre(out, h, post, comb, fn, base, scale, n, norm_eps, hc_eps, block_norm)
     d = h.shape[-1]
     y, part = _hc_post(out, h, post, comb, fn)
-    pre = _hc_collapse(part, part.shape[1], y.view(-1, n, d), base, scale, n, iters, norm_eps, hc_eps,
-                       not defer_weights, False, block_norm)
-    return y.reshape(h.shape), *_hc_out(h, n, part, *pre)
+    pre = _hc_collapse(part, part.shape[1], y.view(-1, n, d), base, scale, n, norm_eps, hc_eps, False, block_norm)
+    return y.reshape(h.shape), *_hc_out(h, part, *pre)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1009,6 +996,6 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale:
     return o
 
 
-__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_post_pre", "hc_head", "compress_step",
-           "rope", "norm_rope", "rope_cos_sin", "attention", "topk", "topk_mask", "route", "swiglu", "index_scores",
-           "moe_experts", "moe_blocks"]
+__all__ = ["linear", "grouped_linear", "rms_norm", "hc_pre", "hc_post", "hc_post_pre", "hc_weights", "hc_head",
+           "compress_step", "rope", "norm_rope", "rope_cos_sin", "attention", "topk", "topk_mask", "route", "swiglu",
+           "index_scores", "moe_experts", "moe_blocks"]

@@ -1168,27 +1168,26 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
 def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_ptr,
                   N, D, SPLIT, ITERS, NORM_EPS, HC_EPS, stride_p, stride_h, stride_x, stride_hn,
                   PW: tl.constexpr, NP: tl.constexpr, SPLITP: tl.constexpr, BLOCK_D: tl.constexpr,
-                  WEIGHTS: tl.constexpr = True, COLLAPSE: tl.constexpr = True, NORM: tl.constexpr = False,
-                  nw_ptr=None, xn_ptr=None, BLOCK_EPS=0.0):
+                  WEIGHTS: tl.constexpr = False, NORM: tl.constexpr = False, nw_ptr=None, xn_ptr=None,
+                  BLOCK_EPS=0.0):
     """Program (row, D block), fp32, from the split mix sums part [row, split, PW] (the dots with fn's rows,
-    then the streams' Gram matrix G at PW - N*N; splits summed in order, times the streams' inverse RMS):
-    WEIGHTS: post = 2 sigmoid and comb = row softmax then ITERS alternating column/row normalizations
-    (Sinkhorn), stored by block 0. COLLAPSE: pre = sigmoid + eps and this block of the collapsed block input
-    sum_k pre_k h_k in x's dtype. Every D block recomputes the (tiny) weights so the collapse spreads over the
-    GPU. Without WEIGHTS (the model head, whose mix is pre only, or a collapse whose post and comb another
-    launch makes beside the block: op hc_weights) only the pre and Gram sums are read, and no Sinkhorn is on
-    the path. NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the
+    then the streams' Gram matrix G at PW - N*N; splits summed in order, times the streams' inverse RMS).
+    The collapse (op hc_pre; the model head's, whose fn has N rows, too): pre = sigmoid + eps and this block of
+    the collapsed block input sum_k pre_k h_k in x's dtype; every D block recomputes pre so the collapse spreads
+    over the GPU. NORM: also this block of the block's normed input x * rsqrt(mean(x^2) + BLOCK_EPS) * nw (the
     RMSNorm after mHC, no launch of its own): the sum of squares of the whole row of x is pre^T G pre (fp64:
     with streams that cancel, ||h||^2 >> ||x||^2, an fp32 G would lose that ratio squared), so no block waits
-    for another (it is that of x before x is rounded to its dtype: the same up to that rounding)."""
+    for another (it is that of x before x is rounded to its dtype: the same up to that rounding).
+    WEIGHTS (op hc_weights, one program a row, beside the block): post = 2 sigmoid and comb = row softmax then
+    ITERS alternating column/row normalizations (Sinkhorn) instead, into post_ptr and comb_ptr."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = rd < D
-    if COLLAPSE:
+    if not WEIGHTS:
         hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)  # first: its round trip overlaps the weights' arithmetic below
+                     other=0.0).to(tl.float32)  # first: its round trip overlaps the split sums' loads below
     sp = tl.arange(0, SPLITP)  # every split's partials loaded at once and summed by a tree (fixed order)
     sp_ok = sp < SPLIT
     part = part_ptr + row * stride_p + sp * PW
@@ -1212,10 +1211,9 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
         for _ in range(ITERS - 1):
             comb = comb / (tl.sum(comb, axis=1)[:, None] + HC_EPS)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + HC_EPS)
-        if tl.program_id(1) == 0:
-            tl.store(post_ptr + row * N + i, post, mask=ok)
-            tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
-    if COLLAPSE:
+        tl.store(post_ptr + row * N + i, post, mask=ok)
+        tl.store(comb_ptr + row * N * N + ij, comb, mask=ok2)
+    else:
         m_pre = tl.sum(tl.load(part[:, None] + i[None, :], mask=sp_ok[:, None] & ok[None, :], other=0.0),
                        axis=0).to(tl.float32)
         pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=ok, other=0.0)) + HC_EPS
@@ -1689,25 +1687,20 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("hc_mix_partial", hc_mix_partial_kernel,
      _sig("h_ptr fn_ptr part_ptr N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
           "*bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, NP=4, MIXP=32, BLOCK_D=32), 4, False),
-    ("hc_pre", hc_pre_kernel,  # weights, collapse and the block's RMSNorm in one launch (op hc_pre)
+    ("hc_pre", hc_pre_kernel,  # the collapse with the block's RMSNorm (op hc_pre, and hc_post_pre's second launch)
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
           "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
           PW=40, NP=4, SPLITP=128, BLOCK_D=256, NORM=True), 1, False),
-    ("hc_collapse", hc_pre_kernel,  # the collapse and norm alone (op hc_pre, defer_weights: the decode step's form)
+    ("hc_weights", hc_pre_kernel,  # post and comb (Sinkhorn) from the mix sums, beside the block (op hc_weights)
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
-          "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *bf16 fp32",
-          PW=40, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=False, NORM=True), 1, False),
-    ("hc_weights", hc_pre_kernel,  # post and comb (Sinkhorn) from the mix sums, beside the block
-     _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
-          "stride_h stride_x stride_hn", "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 fp32 fp32 i32 i32 "
-          "i32 i32", PW=40, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=True, COLLAPSE=False), 1, False),
+          "stride_h stride_x stride_hn", "*fp64 *fp64 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 "
+          "i32 i32", PW=40, NP=4, SPLITP=128, BLOCK_D=1, WEIGHTS=True), 1, False),
     ("hc_head", hc_pre_kernel,  # the model head's collapse and final norm: pre weights only, fp32 out
      _sig("part_ptr h_ptr base_ptr scale_ptr post_ptr comb_ptr x_ptr N D SPLIT ITERS NORM_EPS HC_EPS stride_p "
           "stride_h stride_x stride_hn nw_ptr xn_ptr BLOCK_EPS",
           "*fp64 *bf16 *fp32 *fp32 *fp32 *fp32 *fp32 i32 i32 i32 i32 fp32 fp32 i32 i32 i32 i32 *bf16 *fp32 fp32",
-          PW=20, NP=4, SPLITP=128, BLOCK_D=256, WEIGHTS=False, NORM=True), 1, False),
+          PW=20, NP=4, SPLITP=128, BLOCK_D=256, NORM=True), 1, False),
     ("hc_post", hc_post_kernel,
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
