@@ -88,7 +88,7 @@ def test_hc_pre_and_weights(n, rows, d, dtype, broadcast):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # x is rounded to fp16: the kernel tier's fp16 limit
     assert rel(x, rx) <= tol and rel(xn, rxn) <= tol
     plain = tri.hc_pre(h, fn, base, scale, n, 1e-6, 1e-6)  # without the norm: the same two, no third
-    assert len(plain) == 2 and torch.equal(plain[1], x)
+    assert len(plain) == 2 and torch.equal(plain[0], sums) and torch.equal(plain[1], x)
     post, comb = tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)
     rpost, rcomb = ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64)
     assert post.dtype == comb.dtype == torch.float32  # fp32 from any streams' dtype but fp64
