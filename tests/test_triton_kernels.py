@@ -225,10 +225,12 @@ def test_norm_rope_ring(dtype, pos):
 @pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
                                                (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16), (2, 3, 5, 24, 37, -1),
                                                (2, 2, 40, 20, 19, -1), (1, 2, 5, 24, 300, 16)])
-def test_attention(dtype, b, s, h, d, ln, chunk, monkeypatch):
+@pytest.mark.parametrize("rotary", [False, True])
+def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
     """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine (ln 300: 19 splits, more
     than one combine step of 16); 0 splits as a decode would (few programs at these sizes); -1 never splits
-    (enough programs, as a prefill)."""
+    (enough programs, as a prefill). rotary: q's norm and RoPE and the output's inverse RoPE in the same launches
+    (the RoPE pairs end a D block of the combine at d 24, fill one at d 20)."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
     if chunk < 0:
         monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
@@ -240,8 +242,13 @@ def test_attention(dtype, b, s, h, d, ln, chunk, monkeypatch):
     mask[0, 0, :16] = False  # with chunk 16, a split whose keys are all hidden
     if b * s > 1:
         mask[-1, -1] = False  # a row with no visible key: the sink takes everything, output 0
-    got = tri.attention(q, kv, sink, mask, d**-0.5)
-    want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5)
+    rot = None
+    if rotary:
+        q = (q.float() * 3).to(dtype)  # q's norm matters
+        ang = torch.rand(b, s, 4, generator=g, dtype=torch.float64) * 6.3
+        rot = (ang.cos(), ang.sin(), 1e-6)
+    got = tri.attention(q, kv, sink, mask, d**-0.5, rot)
+    want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5, rot)
     assert rel(got, want) <= TOL[dtype]
     if b * s > 1:
         assert torch.equal(got[-1, -1], torch.zeros_like(got[-1, -1]))

@@ -931,11 +931,13 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def attention(
-    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float,
+    rotary: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """Shared-KV attention with sinks (as reference.attention): a query position x head block per program."""
+    """Shared-KV attention with sinks (as reference.attention): a query position x head block per program.
+    rotary = (cos, sin, eps): q's RMSNorm and RoPE, and the output's inverse RoPE, in the same launches."""
     if _use_reference(q, kv):
-        return _ref.attention(q, kv, sink, mask, scale)
+        return _ref.attention(q, kv, sink, mask, scale, rotary)
     b, s, h, d = q.shape
     ln = kv.shape[1]
     q = q.contiguous()
@@ -950,6 +952,13 @@ def attention(
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
             o.stride(0), o.stride(1), o.stride(2))
     meta = dict(BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
+    rot = {}
+    if rotary is not None:
+        cos, sin, eps = rotary
+        half = cos.shape[-1]
+        rot = dict(ROPE=True, cos_ptr=cos.expand(b, s, half).contiguous(), sin_ptr=sin.expand(b, s, half).contiguous(),
+                   HALF=half)
+        meta.update(rot, EPS=float(eps))
     hb = triton_cdiv(h, bh)
     few = b * s * hb < MIN_PROGRAMS // 2  # too few programs to fill the GPU: split the keys (at most 256 each)
     chunk = ATTN_CHUNK or 256
@@ -964,7 +973,7 @@ def attention(
         bd = min(_pow2(d), 32)
         launch("attention_combine_kernel", (s, b, hb * triton_cdiv(d, bd)), part, ml, args[2], o, s, h, d, n_split,
                o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, BLOCK_S=min(16, _pow2(n_split, 2)),
-               num_warps=4)
+               num_warps=4, **rot)
     else:
         launch("attention_kernel", (s, b, hb), *args, **meta)
     return o

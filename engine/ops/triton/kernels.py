@@ -651,6 +651,37 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 
 
 @triton.jit
+def _rotate(x0, x1, c, s):
+    """One interleaved RoPE pair (x0, x1) rotated by the angle whose cos and sin are c and s (fp32): the one
+    formula of every RoPE here (rope_kernel's, and the attention kernels' on q and on their output)."""
+    return x0 * c - x1 * s, x0 * s + x1 * c
+
+
+@triton.jit
+def _rope_cs(cos_row, sin_row, d0, nope, HALF, SIGN, BLOCK_D: tl.constexpr):
+    """cos and sin (fp32, sin times SIGN: -1 for the inverse) of the BLOCK_D / 2 interleaved pairs of columns
+    d0 + arange(BLOCK_D) (d0 even) of head rows whose last 2 HALF dims (from nope on) carry RoPE, from float64 rows
+    of HALF as rope_kernel reads them, and which pairs are RoPE pairs (loaded apart from _rope_tile so a kernel
+    can issue the loads early)."""
+    r = (d0 - nope) // 2 + tl.arange(0, BLOCK_D // 2)  # each pair's index in the RoPE part (< 0: before it)
+    ok = (r >= 0) & (r < HALF)
+    c = tl.load(cos_row + r, mask=ok, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + r, mask=ok, other=0.0).to(tl.float32) * SIGN
+    return c, s, ok
+
+
+@triton.jit
+def _rope_tile(x, c, s, ok, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [BLOCK_H, BLOCK_D] fp32 with its RoPE pairs (`_rope_cs`'s ok) rotated by c and s, the other columns as
+    they are."""
+    x0, x1 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
+    y0, y1 = _rotate(x0, x1, c[None, :], s[None, :])
+    y0 = tl.where(ok[None, :], y0, x0)
+    y1 = tl.where(ok[None, :], y1, x1)
+    return tl.reshape(tl.join(y0, y1), (BLOCK_H, BLOCK_D))
+
+
+@triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr = False,
                 HAS_W: tl.constexpr = False, ring_ptr=None, ok_ptr=None, pos_ptr=None, W=1, stride_rb=0,
@@ -693,8 +724,9 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, w_ptr, H, D, HALF, SIGN, EPS,
         x1 = x1.to(y_ptr.dtype.element_ty).to(tl.float32)
     c = tl.load(cos_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + p * HALF + offs_r, mask=r_ok, other=0.0).to(tl.float32)[None, :] * SIGN
-    y0 = (x0 * c - x1 * s).to(y_ptr.dtype.element_ty)
-    y1 = (x0 * s + x1 * c).to(y_ptr.dtype.element_ty)
+    y0, y1 = _rotate(x0, x1, c, s)
+    y0 = y0.to(y_ptr.dtype.element_ty)
+    y1 = y1.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row + offs_d[None, :], xn, mask=d_ok)
     tl.store(y_ptr + even, y0, mask=m)
     tl.store(y_ptr + even + 1, y1, mask=m)
@@ -736,6 +768,7 @@ def attention_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr = False, CHUNK=0, part_ptr=None, ml_ptr=None,
+    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0, EPS=0.0,
 ):
     """One query position x BLOCK_H heads per program (the heads share the KV rows: they are the dot's M).
 
@@ -743,6 +776,10 @@ def attention_kernel(
     sink is in the denominator only and a row with no visible key returns zeros.
     SPLIT (decode, flash-decoding): program axis 0 is (position, split); each split covers CHUNK keys, starts
     from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
+    ROPE (the op's `rope`, V4's q path and output; BLOCK_D = D): q arrives as its projection and is RMS-normed
+    (no weight, EPS; fp32 statistics, rounded to q's dtype) and RoPE'd here as norm_rope would hand it over, and
+    the output (unsplit; the combine does it for SPLIT) is rounded, then un-rotated as rope(inverse) would: two
+    launches fewer on decode's chain. cos/sin: float64 [B * S, HALF].
     """
     if SPLIT:
         n_split = tl.cdiv(L, CHUNK)
@@ -761,6 +798,13 @@ def attention_kernel(
     d_ok = offs_d < D
     q = tl.load(q_ptr + b * stride_qb + s_idx * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    cs_row = (b * S + s_idx) * HALF
+    if ROPE:
+        c, sn, rot = _rope_cs(cos_ptr + cs_row, sin_ptr + cs_row, 0, D - 2 * HALF, HALF, 1.0, BLOCK_D)
+        qf = q.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) / D + EPS)
+        qf = (qf * r[:, None]).to(q.dtype).to(tl.float32)
+        q = _rope_tile(qf, c, sn, rot, BLOCK_H, BLOCK_D).to(q.dtype)
     if SPLIT:
         m_i = tl.full((BLOCK_H,), -1e30, tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -797,18 +841,22 @@ def attention_kernel(
         tl.store(ml_ptr + row * 2 * H + offs_h, m_i, mask=h_ok)
         tl.store(ml_ptr + row * 2 * H + H + offs_h, l_i, mask=h_ok)
     else:
-        out = acc / l_i[:, None]
+        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        if ROPE:
+            c, sn, rot = _rope_cs(cos_ptr + cs_row, sin_ptr + cs_row, 0, D - 2 * HALF, HALF, -1.0, BLOCK_D)
+            out = _rope_tile(out.to(tl.float32), c, sn, rot, BLOCK_H, BLOCK_D).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+                 out, mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split,
                              stride_ob, stride_os, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_S: tl.constexpr):
+                             BLOCK_S: tl.constexpr, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0):
     """Merge the splits of one (b, s), with the sink in the denominator, BLOCK_S splits per step loaded at once
     (a fixed tree within a step, steps in order): one loop step waits for one round trip, not one per split.
-    Program (s, b, head block x D block): a decode token's merge spreads over the GPU."""
+    Program (s, b, head block x D block): a decode token's merge spreads over the GPU. ROPE: the merged output is
+    rounded, then un-rotated (attention_kernel's ROPE; BLOCK_D even)."""
     s_idx = tl.program_id(0)
     b = tl.program_id(1)
     n_d = tl.cdiv(D, BLOCK_D)
@@ -817,6 +865,10 @@ def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split
     h_ok = offs_h < H
     hd_ok = h_ok[:, None] & (offs_d[None, :] < D)
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    if ROPE:
+        cs_row = (b * S + s_idx) * HALF
+        c, sn, rot = _rope_cs(cos_ptr + cs_row, sin_ptr + cs_row, (tl.program_id(2) % n_d) * BLOCK_D, D - 2 * HALF,
+                              HALF, -1.0, BLOCK_D)
     row0 = (b * S + s_idx) * n_split
     m = sink
     for j0 in range(0, n_split, BLOCK_S):
@@ -835,9 +887,11 @@ def attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, H, D, n_split
         p = tl.load(part_ptr + (((row0 + j)[:, None] * H + offs_h[None, :]) * D)[:, :, None] + offs_d[None, None, :],
                     mask=j_ok[:, :, None] & hd_ok[None, :, :], other=0.0)
         acc += tl.sum(p * w[:, :, None], axis=0)
-    out = acc / l_tot[:, None]
+    out = (acc / l_tot[:, None]).to(o_ptr.dtype.element_ty)
+    if ROPE:
+        out = _rope_tile(out.to(tl.float32), c, sn, rot, BLOCK_H, BLOCK_D).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=hd_ok)
+             out, mask=hd_ok)
 
 
 @triton.jit
@@ -1631,15 +1685,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("rope_cos_sin", rope_cos_sin_kernel,
      _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF ALIGN", "*i64 *fp64 *fp64 *fp64 i32 i32 i32", BLOCK_N=16,
           BLOCK_R=32), 4, False),
-    ("attention", attention_kernel,
-     _sig(*_ATTN, BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None,
-          ml_ptr=None), 8, True),
+    ("attention", attention_kernel,  # the model's form: q's norm and RoPE, the output's inverse RoPE (ROPE)
+     _sig(_ATTN[0] + " cos_ptr sin_ptr HALF EPS", _ATTN[1] + " *fp64 *fp64 i32 fp32", BLOCK_H=16, BLOCK_L=16,
+          BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True), 8, True),
     ("attention_split", attention_kernel,
-     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
-          BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True), 8, True),
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr cos_ptr sin_ptr HALF EPS", _ATTN[1] + " i32 *fp32 *fp32 *fp64 *fp64 "
+          "i32 fp32", BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True, ROPE=True), 8, True),
     ("attention_combine", attention_combine_kernel,
-     _sig("part_ptr ml_ptr sink_ptr o_ptr S H D n_split stride_ob stride_os stride_oh",
-          "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32", BLOCK_H=16, BLOCK_D=32, BLOCK_S=16), 4, False),
+     _sig("part_ptr ml_ptr sink_ptr o_ptr S H D n_split stride_ob stride_os stride_oh cos_ptr sin_ptr HALF",
+          "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32 *fp64 *fp64 i32", BLOCK_H=16, BLOCK_D=32, BLOCK_S=16,
+          ROPE=True), 4, False),
     ("index_scores", index_scores_kernel,
      _sig(*_IDX, BLOCK_H=64, BLOCK_T=32, BLOCK_D=128, IEEE=False), 4, True),
     ("index_scores_visible", index_scores_kernel,  # hidden entries -inf in the same launch
