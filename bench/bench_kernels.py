@@ -226,6 +226,10 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         sc = HEAD_DIM**-0.5
         want = ref.attention(q.double(), kv.double(), sink.double(), mask, sc)
         check(results, f"attention S={s} L={ln}", rel(tri.attention(q, kv, sink, mask, sc), want))
+        ang = torch.rand(2, s, 32, device=DEV, dtype=torch.float64, generator=GEN) * 100  # the model's form
+        rot = (ang.cos(), ang.sin())
+        want = ref.attention(q.double(), kv.double(), sink.double(), mask, sc, rot)
+        check(results, f"attention S={s} L={ln} rotary", rel(tri.attention(q, kv, sink, mask, sc, rot), want))
     q = torch.randn(1, 9, 64, 128, device=DEV, dtype=ACT, generator=GEN)
     k = torch.randn(1, 777, 128, device=DEV, dtype=ACT, generator=GEN)
     wi = torch.randn(1, 9, 64, device=DEV, dtype=ACT, generator=GEN)

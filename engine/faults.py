@@ -34,30 +34,25 @@ def expert_scale_off_by_one(model, layer: int = 2, expert: int | None = None) ->
 
 def rope_twice(model) -> None:
     """RoPE applied twice to q and k (a fused kernel plus a framework call): wrong relative angles."""
-    base, fused, attend = model.ops.rope, model.ops.norm_rope, model.ops.attention
+    base, fused = model.ops.rope, model.ops.norm_rope
 
     def rope(x, cos, sin, inverse=False):
         return base(base(x, cos, sin, inverse), cos, sin, inverse) if not inverse else base(x, cos, sin, True)
 
-    def attention(q, kv, sink, mask, scale, rotary=None):  # q rotated before the op that norms and rotates it
-        return attend(q if rotary is None else base(q, *rotary[:2]), kv, sink, mask, scale, rotary)
-
     _wrap(model, "rope", rope)
     _wrap(model, "norm_rope", lambda x, weight, eps, cos, sin, ring=None:  # rotated before the fused op: the
           fused(base(x, cos, sin), weight, eps, cos, sin, ring))  # decode's window ring gets the wrong angles too
-    _wrap(model, "attention", attention)
 
 
 def fp16_softmax_stats(model) -> None:
     """Attention logits, running max, exponentials and sum kept in fp16 (a kernel that skips the fp32
     statistics): about 1e-3 relative error on every row, overflow past 65504."""
 
-    norm_rope, rope = model.ops.norm_rope, model.ops.rope
+    rope = model.ops.rope
 
     def attention(q, kv, sink, mask, scale, rotary=None):
-        if rotary is not None:  # q's norm and RoPE, then the inverse RoPE of the output, as the op does them
-            cos, sin, eps = rotary
-            return rope(attention(norm_rope(q, None, eps, cos, sin), kv, sink, mask, scale), cos, sin, True)
+        if rotary is not None:  # the output un-rotated, as the op does it
+            return rope(attention(q, kv, sink, mask, scale), *rotary, inverse=True)
         logits = (torch.einsum("bshd,bld->bhsl", q.float(), kv.float()) * scale).half()
         logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
         full = torch.cat([logits, sink.half().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)], -1)

@@ -188,10 +188,10 @@ class Attention:
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor, ctx: _Ctx, ring: tuple | None = None,
                  side: SideStream | None = None, pick: tuple | None = None):
-        """q [B, S, H, hd] (the projection: the attention op applies its norm and RoPE), the new K=V rows [B, S, hd]
-        (also written into the window `ring` when decoding), q's low-rank qr (before q_norm), cos/sin. With a `side`
-        stream (decode), kv's norm and RoPE are issued there once qr exists, and `pick` = (stream, fn) issues fn(qr)
-        on its stream, while q is projected here."""
+        """q [B, S, H, hd] (normed, RoPE'd), the new K=V rows [B, S, hd] (also written into the window `ring`
+        when decoding), q's low-rank qr (before q_norm), cos/sin. With a `side` stream (decode), kv's norm and RoPE
+        are issued there once qr exists, and `pick` = (stream, fn) issues fn(qr) on its stream, while q is finished
+        here."""
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S, _ = x.shape
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -209,7 +209,7 @@ class Attention:
             pick[0].hold(qr)
             with pick[0].beside():
                 pick[1](qr)
-        q = ops.linear(qr, w[p + "wq_b.weight"], x_norm=qn).view(B, S, H, hd)  # attention norms and rotates it
+        q = ops.norm_rope(ops.linear(qr, w[p + "wq_b.weight"], x_norm=qn).view(B, S, H, hd), None, eps, cos, sin)
         return q, kv, qr, cos, sin
 
     def _q_norm(self) -> tuple[torch.Tensor, float]:
@@ -219,7 +219,7 @@ class Attention:
     def _output(self, q, keys, mask, cos, sin) -> torch.Tensor:
         cfg, w, p, ops = self.m.cfg, self.w, self.p, self.m.ops
         B, S = q.shape[:2]
-        o = ops.attention(q, keys, w[p + "attn_sink"], mask, cfg.head_dim**-0.5, (cos, sin, cfg.rms_norm_eps))
+        o = ops.attention(q, keys, w[p + "attn_sink"], mask, cfg.head_dim**-0.5, (cos, sin))  # and un-rotates
         o = ops.grouped_linear(o.reshape(B, S, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
         return ops.linear(o.flatten(2), w[p + "wo_b.weight"])
 

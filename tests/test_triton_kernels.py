@@ -224,13 +224,15 @@ def test_norm_rope_ring(dtype, pos):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,d,ln,chunk", [(1, 1, 5, 24, 37, 0), (2, 3, 5, 24, 37, 0), (2, 2, 40, 20, 19, 0),
                                                (1, 1, 5, 24, 37, 16), (2, 3, 5, 24, 70, 16), (2, 3, 5, 24, 37, -1),
-                                               (2, 2, 40, 20, 19, -1), (1, 2, 5, 24, 300, 16)])
+                                               (2, 2, 40, 20, 19, -1), (1, 2, 5, 24, 300, 16), (1, 2, 3, 40, 50, 16),
+                                               (1, 1, 3, 17, 37, 16)])
 @pytest.mark.parametrize("rotary", [False, True])
 def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
     """chunk > 0 forces the split-key (flash-decoding) path and its fixed-order combine (ln 300: 19 splits, more
     than one combine step of 16); 0 splits as a decode would (few programs at these sizes); -1 never splits
-    (enough programs, as a prefill). rotary: q's norm and RoPE and the output's inverse RoPE in the same launches
-    (the RoPE pairs end a D block of the combine at d 24, fill one at d 20)."""
+    (enough programs, as a prefill). rotary: the output's inverse RoPE in the same launches (the RoPE pairs end
+    the combine's one D block at d 24, fill it at d 20, sit in its second at d 40; at d 17 they start at an odd
+    column and a launch of its own rotates them), equal to the separate launches bit for bit."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
     if chunk < 0:
         monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
@@ -244,12 +246,13 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
         mask[-1, -1] = False  # a row with no visible key: the sink takes everything, output 0
     rot = None
     if rotary:
-        q = (q.float() * 3).to(dtype)  # q's norm matters
         ang = torch.rand(b, s, 4, generator=g, dtype=torch.float64) * 6.3
-        rot = (ang.cos(), ang.sin(), 1e-6)
+        rot = (ang.cos(), ang.sin())
     got = tri.attention(q, kv, sink, mask, d**-0.5, rot)
     want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5, rot)
     assert rel(got, want) <= TOL[dtype]
+    if rotary:  # rounded, then un-rotated by the one formula, as the launches apart do it
+        assert torch.equal(got, tri.rope(tri.attention(q, kv, sink, mask, d**-0.5), *rot, inverse=True))
     if b * s > 1:
         assert torch.equal(got[-1, -1], torch.zeros_like(got[-1, -1]))
 

@@ -105,19 +105,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 def attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float,
-    rotary: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shared-KV attention with a per-head sink in the softmax denominator.
 
     q [B, S, H, D], kv [B, L, D] (K = V), sink [H], mask [B, S, L] bool (True = may attend) -> [B, S, H, D].
     A row with no visible key gives zeros (the sink takes all the mass).
-    rotary = (cos, sin, eps), V4's attention: q arrives as its projection and is RMS-normed (no weight) and RoPE'd
-    first (norm_rope), and the output is un-rotated (V is K and carries RoPE): one op, so a backend can fuse them.
+    rotary = (cos, sin), V4's attention: the output un-rotated by the angles q and kv were rotated by (V is K and
+    carries RoPE), as rope(..., inverse=True) does: one op, so a backend can apply it where the output is made.
     """
     if rotary is not None:
-        cos, sin, eps = rotary
-        o = attention(norm_rope(q, None, eps, cos, sin), kv, sink, mask, scale)
-        return rope(o, cos, sin, inverse=True)
+        return rope(attention(q, kv, sink, mask, scale), *rotary, inverse=True)
     acc = _acc(q.dtype)
     logits = torch.einsum("bshd,bld->bhsl", q.to(acc), kv.to(acc)) * scale
     logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))

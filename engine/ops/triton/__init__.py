@@ -932,12 +932,14 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 def attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float,
-    rotary: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Shared-KV attention with sinks (as reference.attention): a query position x head block per program.
-    rotary = (cos, sin, eps): q's RMSNorm and RoPE, and the output's inverse RoPE, in the same launches."""
+    rotary = (cos, sin): the output's inverse RoPE in the same launches (the combine's, or the unsplit kernel's)."""
     if _use_reference(q, kv):
         return _ref.attention(q, kv, sink, mask, scale, rotary)
+    if rotary is not None and (q.shape[-1] - 2 * rotary[0].shape[-1]) % 2:  # the kernels rotate even-aligned pairs
+        return rope(attention(q, kv, sink, mask, scale), *rotary, inverse=True)
     b, s, h, d = q.shape
     ln = kv.shape[1]
     q = q.contiguous()
@@ -954,11 +956,10 @@ def attention(
     meta = dict(BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
     rot = {}
     if rotary is not None:
-        cos, sin, eps = rotary
+        cos, sin = rotary
         half = cos.shape[-1]
         rot = dict(ROPE=True, cos_ptr=cos.expand(b, s, half).contiguous(), sin_ptr=sin.expand(b, s, half).contiguous(),
                    HALF=half)
-        meta.update(rot, EPS=float(eps))
     hb = triton_cdiv(h, bh)
     few = b * s * hb < MIN_PROGRAMS // 2  # too few programs to fill the GPU: split the keys (at most 256 each)
     chunk = ATTN_CHUNK or 256
@@ -975,7 +976,7 @@ def attention(
                o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, BLOCK_S=min(16, _pow2(n_split, 2)),
                num_warps=4, **rot)
     else:
-        launch("attention_kernel", (s, b, hb), *args, **meta)
+        launch("attention_kernel", (s, b, hb), *args, **meta, **rot)
     return o
 
 

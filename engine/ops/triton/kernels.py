@@ -662,7 +662,7 @@ def _rope_cs(cos_row, sin_row, d0, nope, HALF, SIGN, BLOCK_D: tl.constexpr):
     """cos and sin (fp32, sin times SIGN: -1 for the inverse) of the BLOCK_D / 2 interleaved pairs of columns
     d0 + arange(BLOCK_D) (d0 even) of head rows whose last 2 HALF dims (from nope on) carry RoPE, from float64 rows
     of HALF as rope_kernel reads them, and which pairs are RoPE pairs (loaded apart from _rope_tile so a kernel
-    can issue the loads early)."""
+    can issue the loads before they are needed)."""
     r = (d0 - nope) // 2 + tl.arange(0, BLOCK_D // 2)  # each pair's index in the RoPE part (< 0: before it)
     ok = (r >= 0) & (r < HALF)
     c = tl.load(cos_row + r, mask=ok, other=1.0).to(tl.float32)
@@ -768,7 +768,7 @@ def attention_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr = False, CHUNK=0, part_ptr=None, ml_ptr=None,
-    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0, EPS=0.0,
+    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0,
 ):
     """One query position x BLOCK_H heads per program (the heads share the KV rows: they are the dot's M).
 
@@ -776,10 +776,10 @@ def attention_kernel(
     sink is in the denominator only and a row with no visible key returns zeros.
     SPLIT (decode, flash-decoding): program axis 0 is (position, split); each split covers CHUNK keys, starts
     from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
-    ROPE (the op's `rope`, V4's q path and output; BLOCK_D = D): q arrives as its projection and is RMS-normed
-    (no weight, EPS; fp32 statistics, rounded to q's dtype) and RoPE'd here as norm_rope would hand it over, and
-    the output (unsplit; the combine does it for SPLIT) is rounded, then un-rotated as rope(inverse) would: two
-    launches fewer on decode's chain. cos/sin: float64 [B * S, HALF].
+    ROPE (the op's `rotary`, unsplit; attention_combine_kernel does it for SPLIT): the output is rounded, then
+    un-rotated by cos/sin (float64 [B * S, HALF]) as rope(inverse) would do it in a launch of its own. (q's norm
+    and RoPE stay in norm_rope: done here by every split program, they cost each program what they saved the
+    chain, and under Triton 3.6 pushed this kernel to 256 VGPRs and scratch on gfx90a; NOTES run 100.)
     """
     if SPLIT:
         n_split = tl.cdiv(L, CHUNK)
@@ -798,13 +798,6 @@ def attention_kernel(
     d_ok = offs_d < D
     q = tl.load(q_ptr + b * stride_qb + s_idx * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    cs_row = (b * S + s_idx) * HALF
-    if ROPE:
-        c, sn, rot = _rope_cs(cos_ptr + cs_row, sin_ptr + cs_row, 0, D - 2 * HALF, HALF, 1.0, BLOCK_D)
-        qf = q.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) / D + EPS)
-        qf = (qf * r[:, None]).to(q.dtype).to(tl.float32)
-        q = _rope_tile(qf, c, sn, rot, BLOCK_H, BLOCK_D).to(q.dtype)
     if SPLIT:
         m_i = tl.full((BLOCK_H,), -1e30, tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -843,6 +836,7 @@ def attention_kernel(
     else:
         out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
         if ROPE:
+            cs_row = (b * S + s_idx) * HALF
             c, sn, rot = _rope_cs(cos_ptr + cs_row, sin_ptr + cs_row, 0, D - 2 * HALF, HALF, -1.0, BLOCK_D)
             out = _rope_tile(out.to(tl.float32), c, sn, rot, BLOCK_H, BLOCK_D).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + b * stride_ob + s_idx * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -1685,12 +1679,12 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("rope_cos_sin", rope_cos_sin_kernel,
      _sig("pos_ptr inv_ptr cos_ptr sin_ptr N HALF ALIGN", "*i64 *fp64 *fp64 *fp64 i32 i32 i32", BLOCK_N=16,
           BLOCK_R=32), 4, False),
-    ("attention", attention_kernel,  # the model's form: q's norm and RoPE, the output's inverse RoPE (ROPE)
-     _sig(_ATTN[0] + " cos_ptr sin_ptr HALF EPS", _ATTN[1] + " *fp64 *fp64 i32 fp32", BLOCK_H=16, BLOCK_L=16,
+    ("attention", attention_kernel,  # the model's form: the output's inverse RoPE in the epilogue (ROPE)
+     _sig(_ATTN[0] + " cos_ptr sin_ptr HALF", _ATTN[1] + " *fp64 *fp64 i32", BLOCK_H=16, BLOCK_L=16,
           BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True), 8, True),
     ("attention_split", attention_kernel,
-     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr cos_ptr sin_ptr HALF EPS", _ATTN[1] + " i32 *fp32 *fp32 *fp64 *fp64 "
-          "i32 fp32", BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True, ROPE=True), 8, True),
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
+          BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True), 8, True),
     ("attention_combine", attention_combine_kernel,
      _sig("part_ptr ml_ptr sink_ptr o_ptr S H D n_split stride_ob stride_os stride_oh cos_ptr sin_ptr HALF",
           "*fp32 *fp32 *fp32 *bf16 i32 i32 i32 i32 i32 i32 i32 *fp64 *fp64 i32", BLOCK_H=16, BLOCK_D=32, BLOCK_S=16,
