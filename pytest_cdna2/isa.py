@@ -109,9 +109,12 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from cdna2_engine.ops.triton import triton_check
+
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     signature, constexprs = with_defaults(fn, signature, constexprs)
     try:
+        triton_check(triton.__version__)
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
                            options={"num_warps": num_warps})
     except Exception as exc:  # the audit reports a failing compile instead of raising

@@ -7,6 +7,8 @@ section 5, kernel tier, fp32 operands); the Sinkhorn split is elementwise in fp3
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -356,3 +358,25 @@ def test_interpreter_refuses_the_triton_numpy_pair_that_breaks_it(tv, nv, ok):
     else:
         with pytest.raises(RuntimeError, match="numpy<2.4"):
             tri._interpreter_check(tv, nv)
+
+
+@pytest.mark.parametrize("tv, ok", [("3.5.0", True), ("3.6.0+rocm7.0", True), ("3.9.0", True), ("3.4.0", False),
+                                    ("3.2.0+git1a2b3c", False)])
+def test_backend_refuses_a_triton_its_kernels_do_not_compile_with(tv, ok, monkeypatch):
+    """Triton 3.4's own griddepcontrol helpers do not compile and 3.2-3.3 fail on several kernels (checked here
+    with each installed, 2026-11-30): the backend and the ISA tier say so in one line, before any kernel."""
+    import triton
+
+    from cdna2_engine.ops import get_ops
+    from pytest_cdna2 import isa
+
+    monkeypatch.setattr(triton, "__version__", tv)
+    spec = next(s for s in tri._compiled.ISA_SPECS if s[0] == "swiglu")
+    audit = isa.audit_kernel(spec[0], spec[1], *spec[2], spec[3], spec[4], isa.GFX90A)
+    if ok:
+        assert get_ops("triton").backend == "triton" and audit.compiled, audit.error
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(f"needs Triton >= 3.5, found {tv} (its kernels do not "
+                                                          "compile with it): pip install 'triton>=3.5'")):
+            get_ops("triton")
+        assert not audit.compiled and f"needs Triton >= 3.5, found {tv}" in audit.error

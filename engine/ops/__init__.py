@@ -69,8 +69,11 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
                                reference_ops=tuple(OP_NAMES))
     if backend != "triton":
         raise ValueError(f"unknown backend {backend!r}: use 'reference' or 'triton'")
+    import triton
+
     from . import triton as tri
 
+    tri.triton_check(triton.__version__)
     if reference_ops is None:
         env = os.environ.get("CDNA2_REFERENCE_OPS", "")
         reference_ops = [s.strip() for s in env.split(",") if s.strip()]

@@ -79,6 +79,19 @@ def _version(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", v).group(0).split("."))
 
 
+MIN_TRITON = (3, 5)  # the oldest Triton every kernel compiles with, for gfx90a and sm_90 (checked 2026-11-30:
+# 3.5.1, 3.6.0, 3.9.0 clean; 3.4.0's own griddepcontrol helpers do not compile, 3.3.1's ahead-of-time compile
+# refuses the kernels' None arguments, 3.2.0 cannot index a tuple by a static_range index)
+
+
+def triton_check(triton_version: str) -> None:
+    """Refuse, in one line, a Triton older than MIN_TRITON before any kernel fails to compile with it."""
+    if _version(triton_version) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        raise RuntimeError(f"the triton backend needs Triton >= {need}, found {triton_version} (its kernels do not "
+                           f"compile with it): pip install 'triton>={need}', or use the reference backend")
+
+
 def _interpreter_check(triton_version: str, numpy_version: str) -> None:
     """Triton's CPU interpreter before 3.7 turns a runtime int argument (a 1-element array) into a Python int by
     int(array), which NumPy 2.4 refuses: every kernel with a loop over a runtime bound fails (seen with Triton

@@ -18,9 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (sm_90): Triton 3.4+
+try:  # programmatic dependent launch (sm_90): Triton 3.5+ (3.4's helpers do not compile; the backend refuses < 3.5)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # the PDL forms are then never compiled (constexpr PDL stays False)
+except ImportError:  # a Triton without them: the PDL forms are never compiled (constexpr PDL stays False)
     gdc_launch_dependents = gdc_wait = None
 PDL_AVAILABLE = gdc_wait is not None
 
