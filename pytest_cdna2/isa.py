@@ -103,8 +103,10 @@ def with_defaults(fn: object, signature: dict[str, str], constexprs: dict[str, o
 
 
 def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: dict[str, object],
-                 num_warps: int, matmul: bool, target: tuple = GFX90A) -> KernelAudit:
-    """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources."""
+                 num_warps: int, matmul: bool, target: tuple = GFX90A, check_version: bool = True) -> KernelAudit:
+    """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources. A Triton older
+    than the engine's MIN_TRITON is refused in one line unless check_version is False (tools/isa_versions.py shows
+    what such a release does)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -114,11 +116,18 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     signature, constexprs = with_defaults(fn, signature, constexprs)
     try:
-        triton_check(triton.__version__)
+        if check_version:
+            triton_check(triton.__version__)
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
                            options={"num_warps": num_warps})
-    except Exception as exc:  # the audit reports a failing compile instead of raising
-        return KernelAudit(name, tname, False, error=f"{type(exc).__name__}: {exc}"[:2000], matmul=matmul)
+    except Exception as exc:  # the audit reports a failing compile instead of raising, its root cause first
+        root = exc
+        while root.__cause__ or root.__context__:
+            root = root.__cause__ or root.__context__
+        error = f"{type(exc).__name__}: {exc}"
+        if root is not exc:
+            error = f"{type(root).__name__}: {root} (raised in {error})"
+        return KernelAudit(name, tname, False, error=error[:2000], matmul=matmul)
     a = KernelAudit(name, tname, True, lds_bytes=int(k.metadata.shared), matmul=matmul)
     if "amdgcn" in k.asm:
         text = k.asm["amdgcn"]
@@ -140,7 +149,7 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     return a
 
 
-def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
+def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90), check_version: bool = True) -> list[KernelAudit]:
     """Every kernel in cdna2_engine.ops.triton.kernels.ISA_SPECS, compiled for each target, and those in
     ISA_SPECS_SM90 (hardware-FP8 variants) for sm_90 only."""
     from cdna2_engine.ops.triton import kernels
@@ -148,10 +157,10 @@ def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
     out = []
     for name, fn, (sig, const), warps, matmul in kernels.ISA_SPECS:
         for tgt in targets:
-            out.append(audit_kernel(name, fn, sig, const, warps, matmul, tgt))
+            out.append(audit_kernel(name, fn, sig, const, warps, matmul, tgt, check_version))
     for name, fn, (sig, const), warps, matmul in getattr(kernels, "ISA_SPECS_SM90", []):
         if SM90 in targets:
-            out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90))
+            out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90, check_version))
     return out
 
 

@@ -200,7 +200,7 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
     dev = torch.device("cuda")
     if not (tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6)
             and tri._compiled.PDL_AVAILABLE and tri._cuda_cc(dev) >= (9, 0)):
-        pytest.skip("needs the tensor-core path and griddepcontrol (sm_90, Triton 3.4+)")
+        pytest.skip("needs the tensor-core path and griddepcontrol (sm_90, Triton 3.5+)")
     e = 16
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(torch.Generator(dev).manual_seed(12), e, 6, scale_200=False)
     plan = tri.moe_prepare(x, idx, e)

@@ -360,8 +360,8 @@ def test_interpreter_refuses_the_triton_numpy_pair_that_breaks_it(tv, nv, ok):
             tri._interpreter_check(tv, nv)
 
 
-@pytest.mark.parametrize("tv, ok", [("3.5.0", True), ("3.6.0+rocm7.0", True), ("3.9.0", True), ("3.4.0", False),
-                                    ("3.2.0+git1a2b3c", False)])
+@pytest.mark.parametrize("tv, ok", [("3.5.0", True), ("3.6.0+rocm7.0", True), ("3.6.0.dev20251101", True),
+                                    ("3.9.0", True), ("3.4.0", False), ("3.2.0+git1a2b3c", False), ("unknown", False)])
 def test_backend_refuses_a_triton_its_kernels_do_not_compile_with(tv, ok, monkeypatch):
     """Triton 3.4's own griddepcontrol helpers do not compile and 3.2-3.3 fail on several kernels (checked here
     with each installed, 2026-11-30): the backend and the ISA tier say so in one line, before any kernel."""
@@ -380,3 +380,15 @@ def test_backend_refuses_a_triton_its_kernels_do_not_compile_with(tv, ok, monkey
                                                           "compile with it): pip install 'triton>=3.5'")):
             get_ops("triton")
         assert not audit.compiled and f"needs Triton >= 3.5, found {tv}" in audit.error
+
+
+def test_backend_without_triton_says_so(monkeypatch):
+    """No triton at all: the same one line, naming the install and the reference backend."""
+    import sys
+
+    from cdna2_engine.ops import get_ops
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton then raises ImportError
+    with pytest.raises(RuntimeError, match=re.escape("needs Triton >= 3.5, which is not installed: pip install "
+                                                      "'triton>=3.5', or use the reference backend")):
+        get_ops("triton")

@@ -251,7 +251,8 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
     got = tri.attention(q, kv, sink, mask, d**-0.5, rot)
     want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5, rot)
     assert rel(got, want) <= TOL[dtype]
-    if rotary:  # rounded, then un-rotated by the one formula, as the launches apart do it
+    if rotary and (d - 8) % 2 == 0:  # fused (at d 17 the op is these launches): rounded, then un-rotated by the
+        # one formula, as the launches apart do it
         assert torch.equal(got, tri.rope(tri.attention(q, kv, sink, mask, d**-0.5), *rot, inverse=True))
     if b * s > 1:
         assert torch.equal(got[-1, -1], torch.zeros_like(got[-1, -1]))

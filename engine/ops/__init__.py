@@ -69,8 +69,11 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
                                reference_ops=tuple(OP_NAMES))
     if backend != "triton":
         raise ValueError(f"unknown backend {backend!r}: use 'reference' or 'triton'")
-    import triton
-
+    try:
+        import triton
+    except ImportError:
+        raise RuntimeError("the triton backend needs Triton >= 3.5, which is not installed: pip install "
+                           "'triton>=3.5', or use the reference backend") from None
     from . import triton as tri
 
     tri.triton_check(triton.__version__)

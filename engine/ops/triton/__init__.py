@@ -75,8 +75,9 @@ def _interpret_env():
 
 
 def _version(v: str) -> tuple[int, ...]:
-    """'3.6.0+rocm' -> (3, 6, 0): the leading release numbers."""
-    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", v).group(0).split("."))
+    """'3.6.0+rocm' -> (3, 6, 0): the leading release numbers; (0,) when there are none ('unknown')."""
+    m = re.match(r"\d+(?:\.\d+)*", v)
+    return tuple(int(p) for p in m.group(0).split(".")) if m else (0,)
 
 
 MIN_TRITON = (3, 5)  # the oldest Triton every kernel compiles with, for gfx90a and sm_90 (checked 2026-11-30:
@@ -400,8 +401,8 @@ _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
 def _mma_pdl(device: torch.device) -> bool:
-    """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+ and
-    Triton 3.4+ has it)."""
+    """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+, and
+    Triton 3.5+ compiles it)."""
     return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _cuda_cc(device) >= (9, 0)
 
 

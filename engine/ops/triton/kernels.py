@@ -20,7 +20,7 @@ import triton.language as tl
 
 try:  # programmatic dependent launch (sm_90): Triton 3.5+ (3.4's helpers do not compile; the backend refuses < 3.5)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without them: the PDL forms are never compiled (constexpr PDL stays False)
+except ImportError:  # an older Triton (the backend refuses it; tools/isa_versions.py still imports this module)
     gdc_launch_dependents = gdc_wait = None
 PDL_AVAILABLE = gdc_wait is not None
 
@@ -653,7 +653,7 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 @triton.jit
 def _rotate(x0, x1, c, s):
     """One interleaved RoPE pair (x0, x1) rotated by the angle whose cos and sin are c and s (fp32): the one
-    formula of every RoPE here (rope_kernel's, and the attention kernels' on their output)."""
+    formula of every RoPE here (rope_kernel's, the compressor's, and the attention kernels' on their output)."""
     return x0 * c - x1 * s, x0 * s + x1 * c
 
 
@@ -1024,8 +1024,9 @@ def compress_finish_kernel(ent_ptr, valid_ptr, norm_ptr, cos_ptr, sin_ptr, pos_p
     x0 = tl.load(even, mask=t_ok, other=0.0).to(tl.float32)
     x1 = tl.load(even + 1, mask=t_ok, other=0.0).to(tl.float32)
     tl.debug_barrier()
-    tl.store(even, (x0 * c - x1 * sn).to(ent_ptr.dtype.element_ty), mask=t_ok)
-    tl.store(even + 1, (x0 * sn + x1 * c).to(ent_ptr.dtype.element_ty), mask=t_ok)
+    y0, y1 = _rotate(x0, x1, c, sn)
+    tl.store(even, y0.to(ent_ptr.dtype.element_ty), mask=t_ok)
+    tl.store(even + 1, y1.to(ent_ptr.dtype.element_ty), mask=t_ok)
 
 
 @triton.jit
