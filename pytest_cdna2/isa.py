@@ -102,22 +102,30 @@ def with_defaults(fn: object, signature: dict[str, str], constexprs: dict[str, o
     return signature, constexprs
 
 
+def triton_too_old() -> str | None:
+    """The engine's one-line refusal of the installed Triton when its kernels need a newer one (the ISA tier
+    fails on it once, instead of once per kernel), else None."""
+    import triton
+
+    from cdna2_engine.ops import triton_check
+
+    try:
+        triton_check(triton.__version__)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: dict[str, object],
-                 num_warps: int, matmul: bool, target: tuple = GFX90A, check_version: bool = True) -> KernelAudit:
-    """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources. A Triton older
-    than the engine's MIN_TRITON is refused in one line unless check_version is False (tools/isa_versions.py shows
-    what such a release does)."""
+                 num_warps: int, matmul: bool, target: tuple = GFX90A) -> KernelAudit:
+    """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cdna2_engine.ops.triton import triton_check
-
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     signature, constexprs = with_defaults(fn, signature, constexprs)
     try:
-        if check_version:
-            triton_check(triton.__version__)
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
                            options={"num_warps": num_warps})
     except Exception as exc:  # the audit reports a failing compile instead of raising, its root cause first
@@ -149,7 +157,7 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     return a
 
 
-def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90), check_version: bool = True) -> list[KernelAudit]:
+def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
     """Every kernel in cdna2_engine.ops.triton.kernels.ISA_SPECS, compiled for each target, and those in
     ISA_SPECS_SM90 (hardware-FP8 variants) for sm_90 only."""
     from cdna2_engine.ops.triton import kernels
@@ -157,10 +165,10 @@ def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90), check_version: bool =
     out = []
     for name, fn, (sig, const), warps, matmul in kernels.ISA_SPECS:
         for tgt in targets:
-            out.append(audit_kernel(name, fn, sig, const, warps, matmul, tgt, check_version))
+            out.append(audit_kernel(name, fn, sig, const, warps, matmul, tgt))
     for name, fn, (sig, const), warps, matmul in getattr(kernels, "ISA_SPECS_SM90", []):
         if SM90 in targets:
-            out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90, check_version))
+            out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90))
     return out
 
 

@@ -9,15 +9,10 @@ import pytest
 pytestmark = pytest.mark.isa
 triton = pytest.importorskip("triton", reason="the ISA tier compiles Triton kernels: pip install triton")
 
-from cdna2_engine.ops.triton import triton_check  # noqa: E402
 from cdna2_engine.ops.triton.kernels import ISA_SPECS  # noqa: E402
-from pytest_cdna2.isa import GFX90A, SM90, audit_kernel  # noqa: E402
+from pytest_cdna2.isa import GFX90A, SM90, audit_kernel, triton_too_old  # noqa: E402
 
-try:
-    triton_check(triton.__version__)
-    TOO_OLD = None
-except RuntimeError as e:
-    TOO_OLD = str(e)
+TOO_OLD = triton_too_old()
 
 
 def test_triton_compiles_these_kernels():

@@ -8,6 +8,7 @@ ops of the triton backend back to their reference so a failure can be narrowed t
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -60,6 +61,28 @@ class QWeight:
         return QWeight(self.data.to(device), None if self.scale is None else self.scale.to(device), self.kind)
 
 
+MIN_TRITON = (3, 5)  # the oldest Triton every kernel compiles with, for gfx90a and sm_90 (checked 2026-11-30 with
+# tools/isa_versions.py: 3.5.1, 3.6.0, 3.9.0 clean; 3.4.0's own griddepcontrol helpers do not compile, 3.3.1's
+# ahead-of-time compile refuses the kernels' None arguments, 3.2.0 cannot index a tuple by a static_range index)
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    """'3.6.0+rocm' -> (3, 6, 0): the leading release numbers; (0,) when there are none ('unknown')."""
+    m = re.match(r"\d+(?:\.\d+)*", v)
+    return tuple(int(p) for p in m.group(0).split(".")) if m else (0,)
+
+
+def triton_check(triton_version: str | None) -> None:
+    """Refuse, in one line, a missing Triton (None) or one older than MIN_TRITON, before any kernel fails to
+    compile with it."""
+    need = ".".join(map(str, MIN_TRITON))
+    if triton_version is None or version_tuple(triton_version) < MIN_TRITON:
+        found = "which is not installed" if triton_version is None else \
+            f"found {triton_version} (its kernels do not compile with it)"
+        raise RuntimeError(f"the triton backend needs Triton >= {need}, {found}: pip install 'triton>={need}', or "
+                           "use the reference backend")
+
+
 def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) -> SimpleNamespace:
     """The op table for `backend`, with `reference_ops` (or env CDNA2_REFERENCE_OPS) taken from reference."""
     from . import reference
@@ -72,11 +95,10 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
     try:
         import triton
     except ImportError:
-        raise RuntimeError("the triton backend needs Triton >= 3.5, which is not installed: pip install "
-                           "'triton>=3.5', or use the reference backend") from None
+        triton = None
+    triton_check(getattr(triton, "__version__", None))
     from . import triton as tri
 
-    tri.triton_check(triton.__version__)
     if reference_ops is None:
         env = os.environ.get("CDNA2_REFERENCE_OPS", "")
         reference_ops = [s.strip() for s in env.split(",") if s.strip()]

@@ -16,7 +16,6 @@ import contextlib
 import functools
 import importlib.util
 import os
-import re
 import sys
 import weakref
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from types import ModuleType
 import torch
 
 from ...streams import BRANCHES, stream_key
-from .. import QWeight
+from .. import QWeight, version_tuple
 from .. import reference as _ref
 from . import kernels as _compiled
 from .mma_layout import interleave_rows, mma_repack
@@ -74,30 +73,11 @@ def _interpret_env():
             os.environ["TRITON_INTERPRET"] = old
 
 
-def _version(v: str) -> tuple[int, ...]:
-    """'3.6.0+rocm' -> (3, 6, 0): the leading release numbers; (0,) when there are none ('unknown')."""
-    m = re.match(r"\d+(?:\.\d+)*", v)
-    return tuple(int(p) for p in m.group(0).split(".")) if m else (0,)
-
-
-MIN_TRITON = (3, 5)  # the oldest Triton every kernel compiles with, for gfx90a and sm_90 (checked 2026-11-30:
-# 3.5.1, 3.6.0, 3.9.0 clean; 3.4.0's own griddepcontrol helpers do not compile, 3.3.1's ahead-of-time compile
-# refuses the kernels' None arguments, 3.2.0 cannot index a tuple by a static_range index)
-
-
-def triton_check(triton_version: str) -> None:
-    """Refuse, in one line, a Triton older than MIN_TRITON before any kernel fails to compile with it."""
-    if _version(triton_version) < MIN_TRITON:
-        need = ".".join(map(str, MIN_TRITON))
-        raise RuntimeError(f"the triton backend needs Triton >= {need}, found {triton_version} (its kernels do not "
-                           f"compile with it): pip install 'triton>={need}', or use the reference backend")
-
-
 def _interpreter_check(triton_version: str, numpy_version: str) -> None:
     """Triton's CPU interpreter before 3.7 turns a runtime int argument (a 1-element array) into a Python int by
     int(array), which NumPy 2.4 refuses: every kernel with a loop over a runtime bound fails (seen with Triton
     3.6.0 and NumPy 2.4.6; 3.6 with NumPy 2.3 and 3.7+ with 2.4 work)."""
-    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+    if version_tuple(triton_version) < (3, 7) and version_tuple(numpy_version) >= (2, 4):
         raise RuntimeError(f"Triton {triton_version}'s CPU interpreter cannot run with NumPy {numpy_version} (int() "
                            "of a 1-element array): pip install 'numpy<2.4' or 'triton>=3.7'")
 

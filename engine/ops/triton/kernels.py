@@ -20,7 +20,7 @@ import triton.language as tl
 
 try:  # programmatic dependent launch (sm_90): Triton 3.5+ (3.4's helpers do not compile; the backend refuses < 3.5)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton (the backend refuses it; tools/isa_versions.py still imports this module)
+except ImportError:  # an older Triton (the backend refuses it; the ISA audit still compiles the rest)
     gdc_launch_dependents = gdc_wait = None
 PDL_AVAILABLE = gdc_wait is not None
 
