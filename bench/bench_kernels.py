@@ -192,8 +192,9 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
         saved_st, saved_mma = dict(tri.MOE_STREAM), dict(tri.MOE_MMA)
-        # the one-token forms: the stream, with register double buffering and/or the inline-PTX E2M1 decode (CUDA
-        # only), and the tensor-core kernels (CUDA sm_80+, bf16: the stream in --small) at two K splits
+        # the per-pair forms (up to MOE_PAIRS_MAX_T tokens): the stream, with register double buffering and/or the
+        # inline-PTX E2M1 decode (CUDA only), and the tensor-core kernels (CUDA sm_80+, bf16: the stream in --small)
+        # at two K splits
         off = dict(on=False)
         one = [("stream", dict(PREFETCH=False, PRMT=False), off),
                ("stream prefetch", dict(PREFETCH=True, PRMT=False), off),
@@ -201,7 +202,7 @@ def correctness(results: dict, streams_only: bool = False) -> None:
                ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
                ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
                ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4))]
-        for variant, stream, mma in (one if t == 1 else []) + [("dot", {}, off)]:
+        for variant, stream, mma in (one if t <= tri.MOE_PAIRS_MAX_T else []) + [("dot", {}, off)]:
             tri.MOE_STREAM.update(saved_st, on=variant != "dot", **stream)
             tri.MOE_MMA.update(saved_mma, **mma)
             check(results, f"moe_experts T={t} {variant}", rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want))
@@ -239,7 +240,8 @@ def correctness(results: dict, streams_only: bool = False) -> None:
 
 def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     """Grouped gate_up + down launches over the experts a routing selects; bytes = packed weights + scales of
-    the distinct selected experts + activations (x, h written and read, contributions written)."""
+    the distinct selected experts + activations (x, h written and read, contributions written). The per-pair
+    forms (stream, tensor cores) are timed at every T, as if MOE_PAIRS_MAX_T reached it, to place that bound."""
     w1, w3, w2 = fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, INTER, HID), fp4_weight(N_EXP, HID, INTER)
     per_expert = sum(w.nbytes() for w in (w1, w3, w2)) / N_EXP
     def cfg_of() -> dict:
@@ -263,7 +265,8 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         tri.MOE_DOT.update(c)
         tri.MOE_DOT_M1.update(c)
 
-    configs = [cfg_of()]
+    cfg0 = cfg_of()
+    configs = [cfg0]
     if sweep:
         # the tensor-core form (tokens gathered into 16-row blocks): the tiles of runs 4-6
         configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
@@ -276,8 +279,9 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         configs += [{"MMA": True, "SPLIT_UP": u, "SPLIT_DOWN": dn}
                     for u, dn in ((4, 2), (2, 2), (4, 4), (2, 4), (8, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
-    if all(c.get("STREAM") or c.get("MMA") for c in configs):  # T > 1 needs a batched form
+    if all(c.get("STREAM") or c.get("MMA") for c in configs):  # the grouped form beside them at every T
         configs.append({"DOT": True, **tri.MOE_DOT_M1})
+    saved_pairs, tri.MOE_PAIRS_MAX_T = tri.MOE_PAIRS_MAX_T, 64
     for t in ((1, 4) if SMALL else (1, 4, 16, 64)):
         sets = []
         for _ in range(24):  # 24 routings x 6 experts: far beyond the L2
@@ -291,8 +295,6 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         best = None
         timed = []
         for cfg in configs:
-            if (cfg.get("STREAM") or cfg.get("MMA")) and t != 1:
-                continue
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
 
@@ -314,11 +316,16 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         results["mxfp4_moe"][f"M{t}"] = {
             "gemv_us": best[0] * 1e3, "bytes_MB": nbytes / 1e6, "frac": best[2], "cfg": best[1],
             "moe_experts_op_us": full * 1e3, "unique_experts": n_unique,
+            "by_form_us": {_short(c): round(ms * 1e3, 1) for ms, c in timed},
         }
         print(f"moe T={t} whole op, eager (host-bound: torch routing tables + 3 launches): {full*1e3:.1f} us",
               flush=True)
-        # the 3 fastest batched forms go on to larger T (the stream is one-token only)
-        configs = [c for _, c in sorted(timed, key=lambda p: p[0]) if not (c.get("STREAM") or c.get("MMA"))][:3]
+        # the 3 fastest forms of each kind go on to larger T
+        ranked = [c for _, c in sorted(timed, key=lambda p: p[0])]
+        configs = ([c for c in ranked if c.get("DOT")][:3] + [c for c in ranked if c.get("STREAM")][:3]
+                   + [c for c in ranked if c.get("MMA")][:3])
+    tri.MOE_PAIRS_MAX_T = saved_pairs
+    apply(cfg0)
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]
 
 

@@ -148,9 +148,9 @@ def test_tensor_core_path_is_off_on_the_cpu():
     assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048, 6)
 
 
-def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool) -> tuple:
-    """Random MXFP4 expert stacks at V4-Flash widths (D 4096, I 2048) on g's GPU, a bf16 token, k distinct experts
-    and their weights. scale_200: some scale bytes past 192 (2^73), where a decode that folds 2^62 into the
+def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool, t: int = 1) -> tuple:
+    """Random MXFP4 expert stacks at V4-Flash widths (D 4096, I 2048) on g's GPU, t bf16 tokens, k distinct experts
+    each and their weights. scale_200: some scale bytes past 192 (2^73), where a decode that folds 2^62 into the
     exponent wraps."""
     dev, d, inter = g.device, 4096, 2048
 
@@ -162,16 +162,18 @@ def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool) -> tuple
         return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
 
     w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
-    x = (torch.randn(1, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
-    idx = torch.randperm(e, generator=g, device=dev)[:k][None]
-    return w1, w3, w2, x, idx, torch.rand(1, k, generator=g, device=dev)
+    x = (torch.randn(t, d, generator=g, device=dev) * 0.2).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g, device=dev)[:k] for _ in range(t)])
+    return w1, w3, w2, x, idx, torch.rand(t, k, generator=g, device=dev)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("with_shared,pdl", [(False, True), (True, True), (True, False)])
-def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
-    """The one-token tensor-core kernels against the reference at V4-Flash widths (bf16 x; h enters the down
-    GEMV split hi + lo in bf16: ~2^-17 relative, far inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
+@pytest.mark.parametrize("t,with_shared,pdl", [(1, False, True), (1, True, True), (1, True, False), (3, True, True),
+                                                (5, False, False)])
+def test_moe_experts_tensor_core_gpu(t, with_shared, pdl, monkeypatch):
+    """The tensor-core kernels (one program row per (token, slot) pair; t tokens of 16 experts share some) against
+    the reference at V4-Flash widths (bf16 x; h enters the down GEMV split hi + lo in bf16: ~2^-17 relative, far
+    inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
     monkeypatch.setattr(tri, "POISON", True)  # every buffer the kernels write starts as NaN
     monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)  # down as a programmatic dependent of gate/up (sm_90) or not
     dev = torch.device("cuda")
@@ -179,8 +181,8 @@ def test_moe_experts_tensor_core_gpu(with_shared, pdl, monkeypatch):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
     g = torch.Generator(dev).manual_seed(11)
     e, d, k = 16, 4096, 6
-    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True)
-    shared = (torch.randn(1, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
+    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True, t=t)
+    shared = (torch.randn(t, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
     got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0,
                            None if shared is None else shared.double())

@@ -117,12 +117,14 @@ def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, long, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (1, 3, 7.0, "stream"),
-                          (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch")])
+                          (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch"), (4, 3, 7.0, "stream"),
+                          (3, 2, 0.0, "stream_prefetch")])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
-    """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the one-token dot-free stream (whose
-    down launch also sums the k rows, and the shared expert's output when given), also with register double
-    buffering (the PRMT decode is inline PTX: GPU only, checked by bench_kernels.py)."""
+    """variant: the tl.dot form (pair rows gathered into 16-row blocks) or the dot-free stream, one program row per
+    (token, slot) pair (for one token its down launch also sums the k rows, and the shared expert's output when
+    given), also with register double buffering (the PRMT decode is inline PTX: GPU only, checked by
+    bench_kernels.py)."""
     monkeypatch.setitem(tri.MOE_STREAM, "on", variant.startswith("stream"))
     monkeypatch.setitem(tri.MOE_STREAM, "PREFETCH", variant == "stream_prefetch")
     g = gen(300 + t)
@@ -138,6 +140,19 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
     assert rel(got, want) <= TOL[dtype]
     assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, limit, shared)), "not bit-reproducible"
     assert not tri._locks(x.device, 0).any()
+    assert (tri.moe_prepare(x, idx, e)[0] == 1) == variant.startswith("stream")  # the form named ran
+
+
+def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
+    """Up to MOE_PAIRS_MAX_T tokens each (token, slot) pair is a block of its own, token-major; beyond, the pairs
+    are grouped by expert into dot blocks."""
+    monkeypatch.setattr(tri, "MOE_PAIRS_MAX_T", 4)
+    idx = torch.tensor([[3, 1], [1, 0], [2, 3], [0, 2], [1, 2]])
+    x = torch.zeros(5, 8)
+    bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:4], idx[:4], 4)
+    assert (bm, k) == (1, 2) and tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
+    assert blk_e.tolist() == idx[:4].reshape(-1).tolist() and (hi - lo).tolist() == [1] * 8
+    assert tri.moe_prepare(x, idx, 4)[0] == 16
 
 
 def test_moe_blocks_cover_every_pair_once():

@@ -180,6 +180,10 @@ FP8_STREAM_LONG = {"min_k": 2048, "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 MOE_STREAM = {"on": True, "BLOCK_N": 4, "GROUPS": 32, "num_warps": 2, "num_stages": 2,  # H200 runs 8-16, 25, 32
               "PREFETCH": None, "PRMT": True}
 MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down stream's own tile (K 2048): run 25
+# Up to this many tokens (a batched decode step, a short prefill) each (token, slot) pair takes the one-token
+# forms above (the stream, or MOE_MMA's tensor-core kernels) instead of tokens grouped by expert into tl.dot blocks:
+# at so few tokens an expert rarely has two, and a 16-row dot block then reads its weights for one row.
+MOE_PAIRS_MAX_T = 16
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -337,25 +341,25 @@ def _topk_of(plan: tuple) -> int:
 
 
 @functools.cache
-def _one_token_tables(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pair token = 0, pair id = j, j + 1) for one token's k pairs; made once, read-only."""
-    ids = torch.arange(k, dtype=torch.int32, device=device)
-    return torch.zeros_like(ids), ids, ids + 1
+def _pair_tables(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair token j // k, pair id j, j + 1) for t tokens' k pairs, token-major; made once, read-only."""
+    ids = torch.arange(t * k, dtype=torch.int32, device=device)
+    return ids // k, ids, ids + 1
 
 
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    if t == 1 and MOE_STREAM["on"]:  # one token: block j is pair j (no sort needed; repeats are fine); the
-        zero, pairs, ends = _one_token_tables(topk, idx.device)  # kernels read the expert ids as they are
-        return (1, zero, pairs, idx.reshape(-1), pairs, ends, topk)
+    if t <= MOE_PAIRS_MAX_T and MOE_STREAM["on"]:  # a few tokens: block j is pair j, token-major (no sort; an
+        tok, pairs, ends = _pair_tables(t, topk, idx.device)  # expert twice is read twice); the kernels read the
+        return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)  # expert ids as they are
     bm = 16 if t * topk <= 16 * n_experts else 64
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
 
 def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_N, GROUPS, other launch keywords) for this device, dtype and batch."""
-    if tokens == 1 and MOE_STREAM["on"] and bm == 1:
+    if bm == 1 and MOE_STREAM["on"]:
         c = dict(MOE_STREAM, **(MOE_STREAM_DOWN if down else {}))
         if launch.cpu:
             c.update(BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1)
@@ -387,12 +391,12 @@ def _mma_pdl(device: torch.device) -> bool:
 
 
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
-    """Whether one token's k experts take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide
+    """Whether x's tokens' k experts each take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide
     (down's split a power of two), arrival counters for every tile of either launch."""
-    d, up, down = x.shape[1], MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
+    (t, d), up, down = x.shape, MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
     return (bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)
             and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
-            and k * max(inter, d) // 16 <= LOCKS)
+            and t * k * max(inter, d) // 16 <= LOCKS)
 
 
 def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -437,11 +441,11 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     """hb [k, I / 128, 256] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand (in the
     order its lanes read it: kernels.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
-    k, inter, d, split = plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
-    hb = _empty(k, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
-    part = _empty(k * split, 2, inter, dtype=torch.float32, device=x.device)
-    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, k, split), x, words, scales, plan[3], part,
-               _locks(x.device, k * inter // 16), hb, inter, d, float(limit or 0.0),
+    p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
+    hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
+    part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3], part,
+               _locks(x.device, p * inter // 16), hb, inter, d, plan[-1], float(limit or 0.0),
                HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device),
                num_warps=1)
     return hb
@@ -450,13 +454,13 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
 def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple, out: torch.Tensor | None,
               add: torch.Tensor | None) -> torch.Tensor:
     words, scales, fresh = _mma_weights(w2)
-    k, inter, d, split = plan[-1], hb.shape[1] * 128, w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
+    p, k, inter, d, split = hb.shape[0], plan[-1], hb.shape[1] * 128, w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
     pdl = _mma_pdl(hb.device) and not fresh  # down reads its first weights before its wait: not just written ones
     fused = out is not None
-    c = out if fused else _empty(k, d, dtype=torch.float32, device=hb.device)
-    part = _empty(k * split, d, dtype=torch.float32, device=hb.device)
-    _Launch(hb)("moe_mma_down_kernel", (d // 16, k, split), hb, words, scales, plan[3],
-                weights.contiguous().reshape(-1), part, _locks(hb.device, d // 16 if fused else k * d // 16), c,
+    c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
+    part = _empty(p * split, d, dtype=torch.float32, device=hb.device)
+    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
+                weights.contiguous().reshape(-1), part, _locks(hb.device, (p // k if fused else p) * d // 16), c,
                 c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
                 HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
@@ -489,14 +493,14 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     path h enters the dot in `dtype` (the activations' dtype). With `out` (one token, the stream path) the
     k rows are summed in order (plus `add`) into out in the same launch, and out is returned."""
     bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
-    if h.dim() == 3:  # the tensor-core gate/up's split h (one token)
+    if h.dim() == 3:  # the tensor-core gate/up's split h
         return _mma_down(h, w2, weights, plan, out, add)
     d, inter = w2.data.shape[1], h.shape[1]
     launch = _Launch(h)
     bn, groups, kw = _moe_cfg(launch, h.new_empty(0, dtype=dtype), bm, h.shape[0] // max(1, _topk_of(plan)), True)
     words = kw.get("STREAM", False)
     fused = out is not None
-    if fused and not (words and bm == 1):
+    if fused and not (words and bm == 1 and h.shape[0] == _topk_of(plan)):
         raise ValueError("moe_down: the fused sum is for one token on the stream path")
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
@@ -523,8 +527,9 @@ def moe_experts(
     shared: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: grouped gate/up with fused clamped SwiGLU, grouped down x routing weight,
-    then the fixed-order sum over the k slots plus `shared` (see reference.moe_experts for the math); for
-    one token the sum happens inside the down launch. A callable `shared` is called after gate/up."""
+    then the fixed-order sum over the k slots plus `shared` (see reference.moe_experts for the math); for one
+    token (or a few on the tensor-core path) the sum happens inside the down launch. A callable `shared` is called
+    after gate/up."""
     if w1.kind != "mxfp4" or w2.kind != "mxfp4" or w3.kind != "mxfp4" or _use_reference(x):
         return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit, shared)
     t, d = x.shape
@@ -534,7 +539,7 @@ def moe_experts(
     if callable(shared):
         shared = shared()
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)
-    if plan[0] == 1:  # one token, stream path
+    if plan[0] == 1 and (t == 1 or h.dim() == 3):  # down sums each token's k rows (+ shared) itself
         return moe_down(h, w2, weights, plan, x.dtype, out=out, add=shared)
     c = moe_down(h, w2, weights, plan, x.dtype)
     bd = 1024
@@ -586,7 +591,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-LOCKS = 4096  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
+LOCKS = 16384  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:

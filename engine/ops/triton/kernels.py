@@ -1462,11 +1462,12 @@ def _hb_index(ch):
 
 
 @triton.jit
-def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, limit,
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """One token, one warp a program: (16-channel tile c, slot j, K part sk) streams the gate and the up row
-    tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT. The last K part of a tile to
+    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
+    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
+    that token's x. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
     in bf16: hb [k, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
     may start once every program of this one has started (it waits for this launch's end before it reads h)."""
@@ -1479,7 +1480,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
     wu = wg + ktt * 256
     sg = s_ptr + (tile0 * 64 + lane * 2)
     su = sg + ktt * 64
-    xp = x_ptr + (sk * kt * 128 + gg * 32 + 2 * t)
+    xp = x_ptr + ((j // TOPK).to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
     a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
     x0, x1, x2, x3 = _mma_x(xp, part)
@@ -1532,10 +1533,10 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
                         SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
                         PDL: tl.constexpr = False):
-    """One token, one warp a program: (16-row tile r of D, slot j, K part sk) streams expert e_ptr[j]'s down
+    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
-    arrival adds the partials by fixed trees: SUM: out[r rows] = sum_j wt[j] sum_sk part (+ add), else out[j, r rows] =
-    wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the launch before
+    arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
+    TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the launch before
     it, gate/up or a kernel after it): the first step's weights and the slots' experts are read before the wait,
     so they must have been written before gate/up began (the host launches without PDL right after a repack);
     everything else is read and written after it."""
@@ -1575,18 +1576,21 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     tl.debug_barrier()
     rows = r * 16 + tl.arange(0, 16)
     if SUM:
-        lock_at = lock_ptr + r
+        tok = j // TOPK
+        lock_at = lock_ptr + tok * n_rt + r
         if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * SPLIT - 1:
-            jj = tl.arange(0, TOPKP)[:, None, None]
+            slot = tl.arange(0, TOPKP)
+            jj = tok * TOPK + slot[:, None, None]
             ss = tl.arange(0, SPLIT)[None, :, None]
-            ok = jj < TOPK
+            ok = slot[:, None, None] < TOPK
             parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
                             cache_modifier=".cg")
-            wts = tl.load(wt_ptr + tl.arange(0, TOPKP), mask=tl.arange(0, TOPKP) < TOPK, other=0.0).to(tl.float32)
+            wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
             tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+            out_at = tok.to(tl.int64) * D + rows
             if HAS_ADD:
-                tot += tl.load(add_ptr + rows).to(tl.float32)
-            tl.store(out_ptr + rows, tot.to(out_ptr.dtype.element_ty))
+                tot += tl.load(add_ptr + out_at).to(tl.float32)
+            tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
             tl.atomic_xchg(lock_at, 0)
     else:
         lock_at = lock_ptr + j * n_rt + r
@@ -1775,8 +1779,8 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
-     _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D limit",
-          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
+     _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D TOPK limit",
+          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
           PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down", moe_mma_down_kernel,
      _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
