@@ -1536,10 +1536,10 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
-    TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90, launched as a programmatic dependent of the launch before
-    it, gate/up or a kernel after it): the first step's weights and the slots' experts are read before the wait,
-    so they must have been written before gate/up began (the host launches without PDL right after a repack);
-    everything else is read and written after it."""
+    TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90,
+    launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first step's
+    weights and the pairs' experts are read before the wait, so they must have been written before gate/up began
+    (the host launches without PDL right after a repack); everything else is read and written after it."""
     r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
