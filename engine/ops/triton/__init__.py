@@ -591,7 +591,9 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-LOCKS = 16384  # split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"])
+# Split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"]), but the MoE's
+# tensor-core kernels have one counter per pair tile: 64 tokens x 6 pairs x 4096 rows / 16 (2 MB for all branches)
+LOCKS = 1 << 17
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
