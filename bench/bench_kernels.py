@@ -57,6 +57,7 @@ if SMALL:
     HID, INTER, N_EXP, TOPK = 256, 128, 8, 2
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
+MOE_TOKENS = (1, 4) if SMALL else (1, 4, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -282,7 +283,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     if all(c.get("STREAM") or c.get("MMA") for c in configs):  # the grouped form beside them at every T
         configs.append({"DOT": True, **tri.MOE_DOT_M1})
     saved_pairs, tri.MOE_PAIRS_MAX_T = tri.MOE_PAIRS_MAX_T, 64
-    for t in ((1, 4) if SMALL else (1, 4, 16, 64)):
+    for t in MOE_TOKENS:
         sets = []
         for _ in range(24):  # 24 routings x 6 experts: far beyond the L2
             x = torch.randn(t, HID, device=DEV, dtype=ACT, generator=GEN)
