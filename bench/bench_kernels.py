@@ -58,6 +58,7 @@ if SMALL:
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
 MOE_TOKENS = (1, 4) if SMALL else (1, 4, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64)
+FP8_ROWS = (2,) if SMALL else (2, 4, 8, 16)  # wq_b at a batched decode step's rows, stream and tensor-core forms
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -415,6 +416,18 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
                                          "frac_of_copy": (ws[0].nbytes() + 64 * (Q_LORA + HEADS * HEAD_DIM) * 2)
                                          / (ms * 1e-3) / 1e12 / copy}
     print(f"fp8 wq_b M=64 {ms*1e3:.1f} us")
+    # a few rows (a batched decode step): the stream (one program row per x row) against the tensor-core tile
+    saved_m, by_m = tri.FP8_STREAM_MAX_M, {}
+    for m in FP8_ROWS:
+        xm = [torch.randn(m, Q_LORA, device=DEV, dtype=ACT, generator=GEN) for _ in range(8)]
+        nb = ws[0].nbytes() + m * (Q_LORA + HEADS * HEAD_DIM) * 2
+        for form, max_m in (("stream", m), ("dot", 0)):
+            tri.FP8_STREAM_MAX_M = max_m
+            ms = time_graph_ms(tri.linear, list(zip(xm, ws, strict=True)))
+            by_m[f"M{m} {form}"] = {"us": ms * 1e3, "frac": nb / (ms * 1e-3) / 1e12 / copy}
+            print(f"fp8 wq_b M={m} {form} {ms*1e3:.1f} us frac={by_m[f'M{m} {form}']['frac']:.3f}", flush=True)
+    tri.FP8_STREAM_MAX_M = saved_m
+    results["fp8_linear"]["wq_b_by_M"] = by_m
 
 
 def _short(cfg: dict) -> str:
