@@ -183,7 +183,7 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 # Up to this many tokens (a batched decode step, a short prefill) each (token, slot) pair takes the one-token
 # forms above (the stream, or MOE_MMA's tensor-core kernels) instead of tokens grouped by expert into tl.dot blocks:
 # at so few tokens an expert rarely has two, and a 16-row dot block then reads its weights for one row. The H200
-# (NOTES runs 102-103): 4 / 16 / 64 tokens 3.7x / 3.0x / 1.8x faster than the dot blocks. The CPU interpreter stops
+# (NOTES run 105): 4 / 16 / 64 tokens 3.3x / 2.5x / 1.5x faster than the best dot tiles. The CPU interpreter stops
 # at 16 (it pays per program, not per byte: the model tests' prefills would take twice as long), so its model tests
 # run both forms.
 MOE_PAIRS_MAX_T = 64
