@@ -159,9 +159,13 @@ def correctness(results: dict, streams_only: bool = False) -> None:
     """Every kernel against the float64 reference (streams_only: the FP8 linears and the MoE only)."""
     # fp8 linear (wq_b) decode and prefill, grouped wo_a
     w = fp8_weight(HEADS * HEAD_DIM, Q_LORA)
-    for m in (1, 3, 64):
+    for m in (1, 3, 8, 64):  # M = 3, 8: the few-token tensor-core kernel (FP8_MMA), and the tile FP8_DOT without it
         x = torch.randn(m, Q_LORA, device=DEV, dtype=ACT, generator=GEN)
         check(results, f"fp8_linear wq_b M={m}", rel(tri.linear(x, w), ref.linear(x.double(), w)))
+        if 1 < m <= 8:
+            tri.FP8_MMA["on"] = False
+            check(results, f"fp8_linear wq_b M={m} dot", rel(tri.linear(x, w), ref.linear(x.double(), w)))
+            tri.FP8_MMA["on"] = True
     x = torch.randn(1, Q_LORA, device=DEV, dtype=ACT, generator=GEN)
     saved = dict(tri.FP8_STREAM)
     for hw in (False, True):  # the stream kernel's bit decode and hardware E4M3 conversion (forced)
@@ -176,7 +180,7 @@ def correctness(results: dict, streams_only: bool = False) -> None:
     tri.FP8_STREAM_MAX_M = saved_m
     kg = HEADS * HEAD_DIM // O_GROUPS
     wo = fp8_weight(O_GROUPS * O_LORA, kg)
-    for m in (1, 33):
+    for m in (1, 4, 33):
         x = torch.randn(m, O_GROUPS, kg, device=DEV, dtype=ACT, generator=GEN)
         got = tri.grouped_linear(x, wo, O_GROUPS)
         check(results, f"fp8_grouped wo_a M={m}", rel(got, ref.grouped_linear(x.double(), wo, O_GROUPS)))
@@ -416,17 +420,22 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
                                          "frac_of_copy": (ws[0].nbytes() + 64 * (Q_LORA + HEADS * HEAD_DIM) * 2)
                                          / (ms * 1e-3) / 1e12 / copy}
     print(f"fp8 wq_b M=64 {ms*1e3:.1f} us")
-    # a few rows (a batched decode step): the stream (one program row per x row) against the tensor-core tile
-    saved_m, by_m = tri.FP8_STREAM_MAX_M, {}
+    # a few rows (a batched decode step): the few-token tensor-core kernel (FP8_MMA, the default up to its max_m),
+    # the stream (one program row per x row) and the tensor-core tile FP8_DOT
+    saved_m, saved_mma, by_m = tri.FP8_STREAM_MAX_M, tri.FP8_MMA["on"], {}
     for m in FP8_ROWS:
         xm = [torch.randn(m, Q_LORA, device=DEV, dtype=ACT, generator=GEN) for _ in range(8)]
         nb = ws[0].nbytes() + m * (Q_LORA + HEADS * HEAD_DIM) * 2
-        for form, max_m in (("stream", m), ("dot", 0)):
-            tri.FP8_STREAM_MAX_M = max_m
+        for form in ("mma", "stream", "dot"):
+            tri.FP8_MMA["on"] = form == "mma"
+            tri.FP8_STREAM_MAX_M = m if form == "stream" else 0
+            if form == "mma" and not tri._fp8_mma_on(xm[0][:, None], ws[0].data.view(torch.uint8), ws[0].data.shape[0],
+                                                     Q_LORA):
+                continue
             ms = time_graph_ms(tri.linear, list(zip(xm, ws, strict=True)))
             by_m[f"M{m} {form}"] = {"us": ms * 1e3, "frac": nb / (ms * 1e-3) / 1e12 / copy}
             print(f"fp8 wq_b M={m} {form} {ms*1e3:.1f} us frac={by_m[f'M{m} {form}']['frac']:.3f}", flush=True)
-    tri.FP8_STREAM_MAX_M = saved_m
+    tri.FP8_STREAM_MAX_M, tri.FP8_MMA["on"] = saved_m, saved_mma
     results["fp8_linear"]["wq_b_by_M"] = by_m
 
 

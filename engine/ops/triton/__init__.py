@@ -190,6 +190,22 @@ MOE_PAIRS_MAX_T = 64
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
+# FP8 at 2..max_m tokens (a batched decode step) on the tensor cores (kernels.py `fp8_mma_kernel`: CUDA sm_80+, bf16
+# x), instead of the tensor-core tile FP8_DOT, whose 16-row blocks decode W for padding rows (NOTES run 104: 18 us on
+# wq_b from 2 to 16 rows, 1.4x one row's stream); min_warps: K is split until the launch has this many one-warp
+# programs (run 61's tuning at one token).
+FP8_MMA = {"on": True, "max_m": 8, "min_warps": 2048}
+
+
+def _fp8_mma_on(x: torch.Tensor, wd: torch.Tensor, r: int, k: int) -> bool:
+    """2..max_m bf16 tokens on CUDA sm_80+, 16-row tiles, whole 128-column steps, 16-byte aligned rows of W and x."""
+    m, g, _ = x.shape
+    return (bool(FP8_MMA["on"]) and 2 <= m <= min(8, FP8_MMA["max_m"]) and x.dtype == torch.bfloat16
+            and _cuda_cc(x.device) >= (8, 0) and r % 16 == 0 and k % 128 == 0 and wd.stride(0) % 16 == 0
+            and wd.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
+            and x.stride(1) % 8 == 0 and x.stride(2) == 1 and r // 16 * g <= LOCKS)
+
+
 def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtype | None = None,
                  x_norm: tuple[torch.Tensor, float] | None = None, glu: float | None = None) -> torch.Tensor:
     """x [M, G, Kg] (contiguous), W [G*R, Kg] fp8 -> y [M, G, R] in out_dtype (default x.dtype); x_norm and glu
@@ -205,7 +221,16 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
     launch = _Launch(x)
     args = (x, wd, sd, y, m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0),
             y.stride(0), y.stride(1))
-    if m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
+    if x_norm is None and glu is None and _fp8_mma_on(x, wd, r, k):
+        tiles = r // 16 * g
+        split = max(1, min(k // 128, triton_cdiv(FP8_MMA["min_warps"], tiles)))
+        chunk = triton_cdiv(triton_cdiv(k, split), 128) * 128
+        split = triton_cdiv(k, chunk)
+        part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
+        launch("fp8_mma_kernel", (r // 16, split, g), x, wd, sd, y, part, _locks(x.device, tiles if split > 1 else 0),
+               m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1),
+               part.stride(0), chunk, SPLIT=split, SPLITP=_pow2(split, 1), num_warps=1)
+    elif m <= (2 if launch.cpu else FP8_STREAM_MAX_M):
         long = k >= FP8_STREAM_LONG["min_k"]
         c = {**FP8_STREAM, **(FP8_STREAM_LONG if long else {})}  # (min_k rides along unread)
         if launch.cpu:

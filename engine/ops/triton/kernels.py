@@ -1404,19 +1404,21 @@ def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
 
 
 @triton.jit
-def _mma_x(x_ptr, part):
-    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
-    part get zero; x * 2^64 + -0 by fma.bf16x2, exact, which sm_80 has and mul.bf16x2 needs sm_90)."""
-    p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    v0 = tl.load(p)
-    v1 = tl.load(p + 4)
-    v2 = tl.load(p + 8)
-    v3 = tl.load(p + 12)
-    v0, v1, v2, v3 = tl.inline_asm_elementwise(
+def _x_2_64(v0, v1, v2, v3):
+    """4 bf16 pairs times 2^64 (x * 2^64 + -0 by fma.bf16x2: exact, which sm_80 has and mul.bf16x2 needs sm_90)."""
+    return tl.inline_asm_elementwise(
         "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
         "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
         "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_x(x_ptr, part):
+    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
+    part get zero)."""
+    p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    v0, v1, v2, v3 = _x_2_64(tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12))
     z = tl.zeros_like(v0)
     hi = part == 0
     return tl.where(hi, v0, z), tl.where(hi, v1, z), tl.where(hi, v2, z), tl.where(hi, v3, z)
@@ -1599,6 +1601,120 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
             parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
             tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
             tl.store(out_ptr + j * D + rows, tot)
+            tl.atomic_xchg(lock_at, 0)
+
+
+# FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
+# own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
+# block); its word i is mma step i's A registers (bytes 0-1: A columns 2t, 2t + 1; bytes 2-3: 2t + 8, 2t + 9), and its
+# B registers are the same 4 x values of token g (B column g), so the mma's K order, free as long as A and B agree,
+# is the bytes' own. E4M3 -> bf16 x 2^-120 in 3 integer instructions a pair, x x 2^64 as in the MXFP4 kernels; the
+# accumulator's column n is token n: lane (g, t) ends with rows g, g + 8 of tokens 2t, 2t + 1. At one token the
+# stream is as fast (NOTES run 61) and fuses x's norm or SwiGLU, so it keeps M = 1. Limits as the MXFP4 kernels'.
+
+
+@triton.jit
+def _ld16x(ptr):
+    """16 bytes as 4 words, cached (x: every program of the launch reads it)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3_bf16x2(w):
+    """A word's 4 E4M3 bytes -> bf16 pairs (bytes 0, 1) and (2, 3) of value x 2^-120: each byte with its sign
+    replicated into the byte above (prmt), shifted left 4 and masked, puts s at bit 15 and eeee|mmm at 10..4."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; prmt.b32 a, $2, $2, 0x9180; prmt.b32 b, $2, $2, 0xB3A2; shl.b32 a, a, 4; "
+        "shl.b32 b, b, 4; and.b32 $0, a, 0x87F087F0; and.b32 $1, b, 0x87F087F0; }",
+        "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_mma_load(wp, wp8, k):
+    """The lane's 16 words of the step at column k: 32 bytes of row g (wp) and of row g + 8 (wp8), the pointers
+    already at the lane's 32 t bytes."""
+    return _ld16(wp + k) + _ld16(wp + k + 16) + _ld16(wp8 + k) + _ld16(wp8 + k + 16)
+
+
+@triton.jit
+def _fp8_mma_x(xp, keep):
+    """The lane's 16 B registers of a step: its token's 32 x values at xp times 2^64, zero where not keep."""
+    r = ()
+    for j in tl.static_range(4):
+        x0, x1, x2, x3 = _x_2_64(*_ld16x(xp + 8 * j))
+        z = tl.zeros_like(x0)
+        r = r + (tl.where(keep, x0, z), tl.where(keep, x1, z), tl.where(keep, x2, z), tl.where(keep, x3, z))
+    return r
+
+
+@triton.jit
+def _fp8_mma_store(y_ptr, at, stride_ym, m, M, v):
+    tl.store(y_ptr + m * stride_ym + at, v.to(y_ptr.dtype.element_ty), mask=m < M)
+
+
+@triton.jit
+def fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, R, K, stride_xm, stride_xg, stride_wn,
+                   stride_sn, stride_ym, stride_yg, stride_ps, K_CHUNK, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """M <= 8 tokens, one warp a program: (16-row tile c, K part sk, group grp) streams W's rows grp * R + 16 c ..
+    over [sk K_CHUNK, +K_CHUNK) in steps of 128 columns, the next step's loads issued before this one's mma.
+    y[m, grp, rows] in y's dtype; SPLIT > 1: the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides after
+    the first) are added by the last to arrive."""
+    c = tl.program_id(0)
+    sk = tl.program_id(1)
+    grp = tl.program_id(2)
+    lane, g, t, _, _ = _lane_roles()
+    row0 = grp * R + c * 16
+    k_lo = sk * K_CHUNK
+    steps = (tl.minimum(K - k_lo, K_CHUNK)) // 128
+    wp = w_ptr + ((row0 + g).to(tl.int64) * stride_wn + k_lo + t * 32)
+    wp8 = wp + 8 * stride_wn
+    keep = g < M  # B column g is token g
+    xp = x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * stride_xm + grp * stride_xg + k_lo + t * 32)
+    sp = s_ptr + ((row0 // 128) * stride_sn + k_lo // 128)
+    nxt = _fp8_mma_load(wp, wp8, 0)
+    z = tl.zeros((32,), dtype=tl.float32)
+    top0, top1, bot0, bot1 = z, z, z, z
+    two56 = 72057594037927936.0  # undoes E4M3 x 2^-120 and x x 2^64 before the scale: no exponent wraps
+    for i in range(steps):
+        cur = nxt
+        nxt = _fp8_mma_load(wp, wp8, tl.minimum(i + 1, steps - 1) * 128)  # the last step reloads (unused)
+        xb = _fp8_mma_x(xp + i * 128, keep)
+        q0, q1, q2, q3 = z, z, z, z
+        for j in tl.static_range(8):
+            a0, a2 = _e4m3_bf16x2(cur[j])
+            a1, a3 = _e4m3_bf16x2(cur[8 + j])
+            q0, q1, q2, q3 = _mma_bf16(a0, a1, a2, a3, xb[2 * j], xb[2 * j + 1], q0, q1, q2, q3)
+        sc = _e8m0(tl.load(sp + i), 0) * two56
+        top0 += q0 * sc
+        top1 += q1 * sc
+        bot0 += q2 * sc
+        bot1 += q3 * sc
+    at = grp * stride_yg + c * 16 + g
+    if SPLIT == 1:
+        _fp8_mma_store(y_ptr, at, stride_ym, 2 * t, M, top0)
+        _fp8_mma_store(y_ptr, at, stride_ym, 2 * t + 1, M, top1)
+        _fp8_mma_store(y_ptr, at + 8, stride_ym, 2 * t, M, bot0)
+        _fp8_mma_store(y_ptr, at + 8, stride_ym, 2 * t + 1, M, bot1)
+    else:
+        pp = part_ptr + sk * stride_ps
+        _fp8_mma_store(pp, at, stride_ym, 2 * t, M, top0)
+        _fp8_mma_store(pp, at, stride_ym, 2 * t + 1, M, top1)
+        _fp8_mma_store(pp, at + 8, stride_ym, 2 * t, M, bot0)
+        _fp8_mma_store(pp, at + 8, stride_ym, 2 * t + 1, M, bot1)
+        tl.debug_barrier()
+        lock_at = lock_ptr + c + tl.num_programs(0) * grp
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            # the last K part to arrive adds the partials by one fixed tree. Its tensors are made afresh (not from
+            # the lane-role ones, whose layout must stay one element a lane: a 2-D use would re-lay them)
+            q = tl.arange(0, SPLITP)[:, None, None]
+            m = tl.arange(0, 8)[None, :, None]
+            rows = grp * stride_yg + c * 16 + tl.arange(0, 16)[None, None, :]
+            ok = (q < SPLIT) & (m < M)
+            parts = tl.load(part_ptr + q * stride_ps + m * stride_ym + rows, mask=ok, other=0.0, cache_modifier=".cg")
+            m2 = tl.arange(0, 8)[:, None]
+            tl.store(y_ptr + m2 * stride_ym + grp * stride_yg + c * 16 + tl.arange(0, 16)[None, :],
+                     tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=m2 < M)
             tl.atomic_xchg(lock_at, 0)
 
 
@@ -1789,4 +1905,8 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
+    ("fp8_mma", fp8_mma_kernel,  # a few tokens' FP8 linear on the tensor cores (inline PTX mma.sync)
+     _sig("x_ptr w_ptr s_ptr y_ptr part_ptr lock_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym "
+          "stride_yg stride_ps K_CHUNK", "*bf16 *u8 *u8 *bf16 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32",
+          SPLIT=2, SPLITP=2), 1, True),
 ]

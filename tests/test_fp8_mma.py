@@ -1,0 +1,190 @@
+"""The few-token tensor-core FP8 linear (kernels.fp8_mma_kernel) against independent readings of it.
+
+The kernel is inline PTX (GPU only: the GPU tests below and bench/probe_fp8.py --mma run it). On the CPU:
+- the E4M3 -> bf16 decode is executed from the kernel's own PTX text by a small evaluator of its three
+  instructions (prmt with sign replication, shl, and), for all 256 codes, against torch's float8_e4m3fn;
+- the operand mapping (which bytes and which tokens' x values a lane feeds to which mma step) is replayed through
+  the PTX ISA's m16n8k16 fragment tables and must give W @ x for each token exactly;
+- the kernel assembles for sm_80, where the path turns on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from cdna2_engine.ops import QWeight
+from cdna2_engine.ops import reference as ref
+from cdna2_engine.ops import triton as tri
+from cdna2_engine.ops.triton import kernels as K
+
+M32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is source byte (sel nibble i) & 7 of {b, a}; nibble bit 3
+    replicates that byte's sign bit over the 8 bits instead."""
+    src = ((b & M32) << 32) | (a & M32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def run_decode_ptx(word: int) -> tuple[int, int]:
+    """Execute `_e4m3_bf16x2`'s PTX text on one word (outputs $0, $1)."""
+    asm = re.search(r'"\{(.*?)\}"', inspect.getsource(K._e4m3_bf16x2.fn).replace('"\n        "', ""), re.S).group(1)
+    regs = {"$2": word}
+    for ins in filter(None, (s.strip() for s in asm.split(";"))):
+        op, rest = ins.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        if op.startswith(".reg"):
+            continue
+        val = lambda a: int(a, 16) if a.startswith("0x") else (int(a) if a.isdigit() else regs[a])  # noqa: E731
+        if op == "prmt.b32":
+            regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << val(args[2])) & M32
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        else:
+            raise AssertionError(f"the evaluator does not know {op}")
+    return regs["$0"], regs["$1"]
+
+
+def bf16_halves(reg: int) -> tuple[float, float]:
+    t = torch.tensor([(reg & 0xFFFF) << 16, (reg >> 16) << 16], dtype=torch.int64).to(torch.int32)
+    lo, hi = t.view(torch.float32).double().tolist()
+    return lo, hi
+
+
+def test_decode_ptx_is_exact_for_every_code():
+    """Bytes (b0, b1, b2, b3) -> pairs (b0, b1), (b2, b3) of bf16 value x 2^-120, exactly, for all 256 codes in
+    each byte position, beside codes of other signs (the two NaN codes decode as finite values, as the portable
+    bit decode does: checkpoints carry none)."""
+    g = torch.Generator().manual_seed(5)
+    lanes = torch.stack([torch.arange(256), torch.arange(255, -1, -1), torch.randperm(256, generator=g),
+                         torch.randperm(256, generator=g)], dim=1)  # [256 words, 4 bytes]: each code at each byte
+    want = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn).double()
+    for codes in lanes.tolist():
+        p, q = run_decode_ptx(codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24)
+        for c, v in zip(codes, (*bf16_halves(p), *bf16_halves(q)), strict=True):
+            v *= 2.0**120
+            if c & 0x7F == 0x7F:
+                assert v == (-1) ** (c >> 7) * 480.0  # NaN's bits read as 2^8 x 1.875
+            else:
+                assert v == want[c].item(), (hex(c), v, want[c].item())
+
+
+def mma_replay(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The accumulator [16 rows, 8 columns] for one 16-row tile W [16, K] (E4M3 bytes) and x [M, K] (float64) as
+    the kernel feeds mma.sync: in the step at k0 (128 wide) lane 4g + t loads 32 bytes of rows g and g + 8 from
+    k0 + 32t; its word i is A registers (0, 2) (row g) and (1, 3) (row g + 8) of mma step i, and its B registers are
+    token g's x at the same 4 columns (zero for g >= M). Per the fragment tables, A register j holds (row g + 8 (j &
+    1), column 2t + 8 (j >> 1) + h) in half h and B register j holds (column 2t + 8 j + h, n = g); D[r, n] = sum over
+    columns A[r, col] B[col, n]."""
+    vals = w.view(torch.float8_e4m3fn).double()
+    y = torch.zeros(16, 8, dtype=torch.float64)
+    for k0 in range(0, w.shape[1], 128):
+        for i in range(8):
+            a = torch.zeros(16, 16, dtype=torch.float64)
+            b = torch.zeros(16, 8, dtype=torch.float64)
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                base = k0 + 32 * t + 4 * i  # the lane's word i: 4 bytes from here
+                for j in range(4):
+                    row = g + 8 * (j & 1)
+                    for h in range(2):
+                        a[row, 2 * t + 8 * (j >> 1) + h] = vals[row, base + 2 * (j >> 1) + h]
+                if g < x.shape[0]:
+                    for j in range(2):
+                        for h in range(2):
+                            b[2 * t + 8 * j + h, g] = x[g, base + 2 * j + h]
+            y += a @ b
+    return y
+
+
+@pytest.mark.parametrize("kk,m", [(128, 2), (384, 8), (256, 5)])
+def test_operand_mapping_gives_w_times_each_token(kk, m):
+    """Accumulator column n is W x_n for the M tokens, zero beyond; the kernel's lane (g, t) stores columns 2t and
+    2t + 1 of rows g and g + 8."""
+    g = torch.Generator().manual_seed(kk + m)
+    w = torch.randint(0, 256, (16, kk), generator=g, dtype=torch.int32).to(torch.uint8)
+    w[(w & 0x7F) == 0x7F] = 0x38
+    x = torch.randn(m, kk, generator=g, dtype=torch.float64).to(torch.bfloat16).double()
+    wv = w.view(torch.float8_e4m3fn).double()
+    y = mma_replay(w, x)
+    assert torch.allclose(y[:, :m], wv @ x.T, rtol=1e-12, atol=0)  # float64 order only
+    assert not y[:, m:].any()
+
+
+def test_tensor_core_fp8_is_off_on_the_cpu():
+    x = torch.zeros(4, 1, 1024, dtype=torch.bfloat16)
+    assert not tri._fp8_mma_on(x, torch.zeros(256, 1024, dtype=torch.uint8), 256, 1024)
+
+
+def test_fp8_mma_compiles_for_sm80():
+    """The path is on from sm_80 (`_fp8_mma_on`), so its PTX must assemble there, not only on the ISA tier's sm_90."""
+    import warnings
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pytest_cdna2.isa import with_defaults
+
+    _, fn, (sig, const), warps, _ = next(s for s in K.ISA_SPECS_SM90 if s[0] == "fp8_mma")
+    sig, const = with_defaults(fn, dict(sig), dict(const))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"] and k.asm["cubin"]
+
+
+def _fp8(n: int, k: int, gen: torch.Generator, dev: torch.device) -> QWeight:
+    """Random E4M3 codes (no NaN), subnormals included, scales spread over 2^-20..2^20 with some bytes near
+    the top (2^60: products there must not wrap an exponent)."""
+    b = torch.randint(0, 256, (n, k), generator=gen, device=dev, dtype=torch.int32).to(torch.uint8)
+    b[(b & 0x7F) == 0x7F] = 0x38
+    s = torch.randint(107, 148, (n // 128, k // 128), generator=gen, device=dev, dtype=torch.int32).to(torch.uint8)
+    s[::3, ::2] = 187
+    return QWeight(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
+@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("r,k,groups,min_warps", [(32768, 1024, 1, 2048), (1024, 4096, 8, 2048),
+                                                  (4096, 8192, 1, 2048), (384, 256, 1, 1)])
+def test_fp8_linear_tensor_core_gpu(r, k, groups, min_warps, m, monkeypatch):
+    """V4-Flash shapes (wq_b, the grouped wo_a, wo_b split along K, and an unsplit small one) at m tokens against
+    the float64 reference, fp32 output (so only the fp32 sums' rounding remains: 1e-5, the fp32 activation bound of
+    DESIGN.md section 5) also with x scaled by 2^50 and 2^-40 (inside the documented range: no overflow, no
+    flushed products), and bf16 output (its own rounding, 2^-9); each token on its own (a token read as another's
+    would fail it); NaN-poisoned outputs; bit-reproducible; the split counters left zero."""
+    monkeypatch.setattr(tri, "POISON", True)
+    monkeypatch.setitem(tri.FP8_MMA, "min_warps", min_warps)
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(r + k + m)
+    w = _fp8(r * groups, k, gen, dev)
+    x = (torch.randn(m, groups, k, generator=gen, device=dev) * 3).to(torch.bfloat16)
+    if not tri._fp8_mma_on(x, w.data.view(torch.uint8), r, k):
+        pytest.skip("this GPU does not take the tensor-core FP8 path (needs sm_80+)")
+    want = torch.einsum("mgk,grk->mgr", x.double(), ref.dequantize(w, torch.float64).view(groups, r, k))
+    for scale in (1.0, 2.0**50, 2.0**-40):
+        got32 = tri._fp8_grouped(x * scale, w, groups, torch.float32).double() / scale
+        for t in range(m):
+            err32 = ((got32[t] - want[t]).norm() / want[t].norm()).item()
+            assert err32 <= 1e-5, (scale, t, err32)
+    got = tri._fp8_grouped(x, w, groups)
+    assert got.dtype == torch.bfloat16
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err <= 5e-3, err
+    assert torch.equal(got, tri._fp8_grouped(x, w, groups)), "not bit-reproducible"
+    assert not tri._locks(dev, 0).any()
