@@ -58,6 +58,7 @@ if SMALL:
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
 MOE_TOKENS = (1, 4) if SMALL else (1, 4, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64)
+HEAD_ROWS = (5,) if SMALL else (4, 8, 16, 32)  # the head at a batched step's rows, streamed and by the reference
 FP8_ROWS = (2,) if SMALL else (2, 4, 8, 16)  # wq_b at a batched decode step's rows, stream and tensor-core forms
 
 
@@ -538,6 +539,18 @@ def other_bench(results: dict, copy: float, sweep: bool) -> None:
             best = {"us": ms * 1e3, "frac": frac, "cfg": dict(cfg)}
     tri.DENSE_GEMV.update(saved)
     out["dense_head_M1"] = best
+    # a batched step's rows: the stream in DENSE_GEMV_BLOCK_M row blocks against the reference (a float32 copy of W,
+    # then cuBLAS), to place DENSE_GEMV_MAX_M
+    saved_m, by_m = tri.DENSE_GEMV_MAX_M, {}
+    for m in HEAD_ROWS:
+        xm = torch.randn(m, HID, device=DEV, generator=GEN)
+        for form, max_m in (("stream", m), ("reference", 0)):
+            tri.DENSE_GEMV_MAX_M = max_m
+            ms = time_graph_ms(lambda w, xm=xm: tri.linear(xm, w), [(w,) for w in heads])
+            by_m[f"M{m} {form}"] = {"us": ms * 1e3, "frac": heads[0].nbytes() / (ms * 1e-3) / 1e12 / copy}
+            print(f"dense head M={m} {form} {ms * 1e3:8.1f} us", flush=True)
+    tri.DENSE_GEMV_MAX_M = saved_m
+    out["dense_head_by_M"] = by_m
     results["other"] = out
     print(f"other {out}")
 

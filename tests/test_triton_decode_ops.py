@@ -32,9 +32,11 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "split"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (3, 130, 64), (4, 5, 1000)])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (3, 130, 64), (4, 5, 1000), (9, 37, 300)])
 def test_dense_linear_at_decode_sizes(m, n, k, wdtype, narrow, monkeypatch):
-    """Both plans: all of K in one load per program (narrow W), and the K split with its in-launch sum."""
+    """Both plans: all of K in one load per program (narrow W), and the K split with its in-launch sum; 9 rows:
+    three row blocks of DENSE_GEMV_BLOCK_M, the last ragged."""
+    monkeypatch.setattr(tri, "DENSE_GEMV_MAX_M", max(m, tri.DENSE_GEMV_MAX_M))
     if not narrow:
         monkeypatch.setitem(tri.DENSE_GEMV_NARROW, "MAX_N", 0)
     g = torch.Generator().manual_seed(m * 1000 + n + k)

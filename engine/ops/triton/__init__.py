@@ -581,6 +581,7 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
+DENSE_GEMV_BLOCK_M = 4  # rows of x a program (its [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products must fit registers)
 # H200 run 8: the head at 1.00 of copy. PROGRAMS: weights wider than DENSE_GEMV_NARROW's MAX_N but with too few
 # rows to fill the GPU split K until about this many programs (a program is 2 warps)
 DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
@@ -597,7 +598,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     x2 = x.reshape(-1, k).contiguous()
     m, n = x2.shape[0], w.data.shape[0]
     wd = w.data.contiguous()
-    bm = _pow2(m, 1)
+    bm = _pow2(min(m, DENSE_GEMV_BLOCK_M), 1)
     launch = _Launch(x)
     nar = DENSE_GEMV_NARROW
     if n <= nar["MAX_N"] and k <= nar["MAX_K"]:
@@ -612,8 +613,9 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     split = triton_cdiv(k, chunk)
     y = _empty(m, n, dtype=out_dtype, device=x.device)
     part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    launch("dense_gemv_kernel", (blocks, split), x2, wd, y, part, _locks(x.device, blocks if split > 1 else 0), m, n,
-           k, chunk, split,
+    mb = triton_cdiv(m, bm)
+    launch("dense_gemv_kernel", (mb, blocks, split), x2, wd, y, part, _locks(x.device, mb * blocks if split > 1 else 0),
+           m, n, k, chunk, split,
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
            SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=warps)
     return y.reshape(*lead, n)

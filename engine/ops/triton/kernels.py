@@ -930,15 +930,17 @@ def index_scores_kernel(
 def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK, n_split, stride_xm, stride_wn,
                       stride_ym, stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLITP: tl.constexpr):
-    """y = x @ W^T for an unquantized W (bf16/fp16/fp32) and M <= BLOCK_M rows: W streamed once at its
-    stored width and widened to fp32 in registers, fp32 products and sums (the reference's numerics;
-    only the summation order differs). The reference would first write a float32 copy of W.
-    SPLITP > 0: program (n, s) covers K from s * K_CHUNK (W with too few rows to fill the GPU still spreads
+    """y = x @ W^T for an unquantized W (bf16/fp16/fp32), BLOCK_M rows of x a program: W streamed at its stored
+    width and widened to fp32 in registers, fp32 products and sums (the reference's numerics; only the summation
+    order differs). The reference would first write a float32 copy of W. Program (r, n, s): rows r BLOCK_M ..,
+    W rows n BLOCK_N ..; r varies fastest, so a W tile's row blocks run together and it leaves DRAM once.
+    SPLITP > 0: program (r, n, s) covers K from s * K_CHUNK (W with too few rows to fill the GPU still spreads
     over the SMs) and the n_split (<= SPLITP) partials are added by the last split to finish (`_split_sum`)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -955,8 +957,8 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
     if SPLITP > 0:
         flat: tl.constexpr = BLOCK_M * BLOCK_N
         _split_sum(tl.reshape(y, (flat,)), tl.reshape(part_ptr + rm[:, None] * N + rn[None, :], (flat,)),
-                   tl.reshape(out_at, (flat,)), tl.reshape(ok, (flat,)), split, n_split, stride_ps, lock_ptr + pid,
-                   y_ptr, False, SPLITP)
+                   tl.reshape(out_at, (flat,)), tl.reshape(ok, (flat,)), split, n_split, stride_ps,
+                   lock_ptr + pid * tl.num_programs(0) + pid_m, y_ptr, False, SPLITP)
     else:
         tl.store(out_at, y.to(y_ptr.dtype.element_ty), mask=ok)
 
