@@ -580,7 +580,10 @@ def moe_experts(
 # ----------------------------------------------------------------------------------------------------
 # Unquantized linear at decode sizes, mHC split
 
-DENSE_GEMV_MAX_M = 4  # above: the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan
+# Above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan: the H200's
+# head (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 / 2431 /
+# 2452 / 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it there).
+DENSE_GEMV_MAX_M = 16
 DENSE_GEMV_BLOCK_M = 4  # rows of x a program (its [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products must fit registers)
 # H200 run 8: the head at 1.00 of copy. PROGRAMS: weights wider than DENSE_GEMV_NARROW's MAX_N but with too few
 # rows to fill the GPU split K until about this many programs (a program is 2 warps)
