@@ -616,8 +616,8 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     split = triton_cdiv(k, chunk)
     y = _empty(m, n, dtype=out_dtype, device=x.device)
     part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    mb = triton_cdiv(m, bm)
-    launch("dense_gemv_kernel", (mb, blocks, split), x2, wd, y, part, _locks(x.device, mb * blocks if split > 1 else 0),
+    tiles = triton_cdiv(m, bm) * blocks
+    launch("dense_gemv_kernel", (tiles, split), x2, wd, y, part, _locks(x.device, tiles if split > 1 else 0),
            m, n, k, chunk, split,
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
            SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=warps)

@@ -932,13 +932,14 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
                       SPLITP: tl.constexpr):
     """y = x @ W^T for an unquantized W (bf16/fp16/fp32), BLOCK_M rows of x a program: W streamed at its stored
     width and widened to fp32 in registers, fp32 products and sums (the reference's numerics; only the summation
-    order differs). The reference would first write a float32 copy of W. Program (r, n, s): rows r BLOCK_M ..,
-    W rows n BLOCK_N ..; r varies fastest, so a W tile's row blocks run together and it leaves DRAM once.
-    SPLITP > 0: program (r, n, s) covers K from s * K_CHUNK (W with too few rows to fill the GPU still spreads
+    order differs). The reference would first write a float32 copy of W. Program (n * row blocks + r, s): rows
+    r BLOCK_M .., W rows n BLOCK_N ..; r varies fastest, so a W tile's row blocks run together.
+    SPLITP > 0: program (., s) covers K from s * K_CHUNK (W with too few rows to fill the GPU still spreads
     over the SMs) and the n_split (<= SPLITP) partials are added by the last split to finish (`_split_sum`)."""
-    pid_m = tl.program_id(0)
-    pid = tl.program_id(1)
-    split = tl.program_id(2)
+    mb = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % mb
+    pid = tl.program_id(0) // mb
+    split = tl.program_id(1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
@@ -958,7 +959,7 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
         flat: tl.constexpr = BLOCK_M * BLOCK_N
         _split_sum(tl.reshape(y, (flat,)), tl.reshape(part_ptr + rm[:, None] * N + rn[None, :], (flat,)),
                    tl.reshape(out_at, (flat,)), tl.reshape(ok, (flat,)), split, n_split, stride_ps,
-                   lock_ptr + pid * tl.num_programs(0) + pid_m, y_ptr, False, SPLITP)
+                   lock_ptr + tl.program_id(0), y_ptr, False, SPLITP)
     else:
         tl.store(out_at, y.to(y_ptr.dtype.element_ty), mask=ok)
 
