@@ -164,9 +164,9 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         x = torch.randn(m, Q_LORA, device=DEV, dtype=ACT, generator=GEN)
         check(results, f"fp8_linear wq_b M={m}", rel(tri.linear(x, w), ref.linear(x.double(), w)))
         if 1 < m <= 8:
-            tri.FP8_MMA["on"] = False
+            mma0, tri.FP8_MMA["on"] = tri.FP8_MMA["on"], False
             check(results, f"fp8_linear wq_b M={m} dot", rel(tri.linear(x, w), ref.linear(x.double(), w)))
-            tri.FP8_MMA["on"] = True
+            tri.FP8_MMA["on"] = mma0
     x = torch.randn(1, Q_LORA, device=DEV, dtype=ACT, generator=GEN)
     saved = dict(tri.FP8_STREAM)
     for hw in (False, True):  # the stream kernel's bit decode and hardware E4M3 conversion (forced)
@@ -209,7 +209,7 @@ def correctness(results: dict, streams_only: bool = False) -> None:
                ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
                ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
                ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4))]
-        for variant, stream, mma in (one if t <= tri.MOE_PAIRS_MAX_T else []) + [("dot", {}, off)]:
+        for variant, stream, mma in (one if t <= min(tri.MOE_PAIRS_MAX_T.values()) else []) + [("dot", {}, off)]:
             tri.MOE_STREAM.update(saved_st, on=variant != "dot", **stream)
             tri.MOE_MMA.update(saved_mma, **mma)
             check(results, f"moe_experts T={t} {variant}", rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want))
@@ -260,35 +260,36 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
 
     def apply(cfg: dict) -> None:
         tri.MOE_MMA["on"] = bool(cfg.get("MMA"))
-        if cfg.get("MMA"):  # the one-token tensor-core kernels (their own one-token plan: the stream's)
+        if cfg.get("MMA"):  # the per-pair tensor-core kernels (their plan is the stream's: one block a pair)
             tri.MOE_STREAM["on"] = True
             tri.MOE_MMA.update({k: v for k, v in cfg.items() if k != "MMA"})
             return
         tri.MOE_STREAM["on"] = bool(cfg.get("STREAM"))
-        if cfg.get("STREAM"):  # the one-token dot-free stream (t = 1 only)
+        if cfg.get("STREAM"):  # the per-pair dot-free stream
             tri.MOE_STREAM.update({k: v for k, v in cfg.items() if k != "STREAM"})
             return
         c = {k: v for k, v in cfg.items() if k != "DOT"}
         tri.MOE_DOT.update(c)
         tri.MOE_DOT_M1.update(c)
 
-    cfg0 = cfg_of()
-    configs = [cfg0]
+    configs = [cfg_of()]
     if sweep:
         # the tensor-core form (tokens gathered into 16-row blocks): the tiles of runs 4-6
         configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((32, 4, 4, 3), (64, 2, 4, 4), (32, 8, 4, 3), (64, 4, 4, 3))]
-        # the dot-free one-token stream (uint32-word decode, per-thread scale groups) next to the dot forms
+        # the dot-free per-pair stream (uint32-word decode, per-thread scale groups) next to the dot forms
         configs += [{"STREAM": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((64, 4, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (16, 16, 4, 2),
                                           (32, 16, 8, 2), (8, 16, 2, 2), (16, 8, 4, 2), (8, 8, 1, 2))]
-        # the one-token tensor-core kernels' K splits (gate/up, down)
+        # the per-pair tensor-core kernels' K splits (gate/up, down)
         configs += [{"MMA": True, "SPLIT_UP": u, "SPLIT_DOWN": dn}
                     for u, dn in ((4, 2), (2, 2), (4, 4), (2, 4), (8, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     if all(c.get("STREAM") or c.get("MMA") for c in configs):  # the grouped form beside them at every T
         configs.append({"DOT": True, **tri.MOE_DOT_M1})
-    saved_pairs, tri.MOE_PAIRS_MAX_T = tri.MOE_PAIRS_MAX_T, 64
+    saved = {name: dict(getattr(tri, name)) for name in ("MOE_PAIRS_MAX_T", "MOE_STREAM", "MOE_MMA", "MOE_DOT",
+                                                          "MOE_DOT_M1")}
+    tri.MOE_PAIRS_MAX_T.update(mma=64, stream=64)
     for t in MOE_TOKENS:
         sets = []
         for _ in range(24):  # 24 routings x 6 experts: far beyond the L2
@@ -331,8 +332,8 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         ranked = [c for _, c in sorted(timed, key=lambda p: p[0])]
         configs = ([c for c in ranked if c.get("DOT")][:3] + [c for c in ranked if c.get("STREAM")][:3]
                    + [c for c in ranked if c.get("MMA")][:3])
-    tri.MOE_PAIRS_MAX_T = saved_pairs
-    apply(cfg0)
+    for name, table in saved.items():  # the defaults again for the benchmarks after this one
+        getattr(tri, name).update(table)
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]
 
 

@@ -144,9 +144,9 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
 
 
 def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
-    """Up to MOE_PAIRS_MAX_T tokens each (token, slot) pair is a block of its own, token-major; beyond, the pairs
-    are grouped by expert into dot blocks."""
-    monkeypatch.setattr(tri, "MOE_PAIRS_MAX_T", 4)
+    """Up to MOE_PAIRS_MAX_T tokens (the stream's bound here: no tensor cores on the CPU) each (token, slot) pair is
+    a block of its own, token-major; beyond, the pairs are grouped by expert into dot blocks."""
+    monkeypatch.setitem(tri.MOE_PAIRS_MAX_T, "stream", 4)
     idx = torch.tensor([[3, 1], [1, 0], [2, 3], [0, 2], [1, 2]])
     x = torch.zeros(5, 8)
     bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:4], idx[:4], 4)

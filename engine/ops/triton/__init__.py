@@ -181,12 +181,11 @@ MOE_STREAM = {"on": True, "BLOCK_N": 4, "GROUPS": 32, "num_warps": 2, "num_stage
               "PREFETCH": None, "PRMT": True}
 MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down stream's own tile (K 2048): run 25
 # Up to this many tokens (a batched decode step, a short prefill) each (token, slot) pair takes the one-token
-# forms above (the stream, or MOE_MMA's tensor-core kernels) instead of tokens grouped by expert into tl.dot blocks:
-# at so few tokens an expert rarely has two, and a 16-row dot block then reads its weights for one row. The H200
-# (NOTES run 105): 4 / 16 / 64 tokens 3.3x / 2.5x / 1.5x faster than the best dot tiles. The CPU interpreter stops
-# at 16 (it pays per program, not per byte: the model tests' prefills would take twice as long), so its model tests
-# run both forms.
-MOE_PAIRS_MAX_T = 64
+# forms above instead of tokens grouped by expert into tl.dot blocks: at so few tokens an expert rarely has two, and
+# a 16-row dot block then decodes its weights for one row. The H200 (NOTES run 105), against the best dot tiles:
+# MOE_MMA's tensor-core kernels 3.3x / 2.5x / 1.5x faster at 4 / 16 / 64 tokens (the counters, LOCKS, are sized for
+# 64); the stream (gfx90a, fp32/fp16 activations, the CPU interpreter) 1.9x / 1.6x faster at 4 / 16, level at 64.
+MOE_PAIRS_MAX_T = {"mma": 64, "stream": 16}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 
 
@@ -378,10 +377,12 @@ def _pair_tables(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, to
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    pairs_max = min(MOE_PAIRS_MAX_T, 16) if x.device.type == "cpu" else MOE_PAIRS_MAX_T
-    if t <= pairs_max and MOE_STREAM["on"]:  # a few tokens: block j is pair j, token-major (no sort; an expert
-        tok, pairs, ends = _pair_tables(t, topk, idx.device)  # twice is read twice); the kernels read the expert
-        return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)  # ids as they are
+    mma = bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)  # as `_mma_on`
+    if t <= MOE_PAIRS_MAX_T["mma" if mma else "stream"] and MOE_STREAM["on"]:
+        # a few tokens: block j is pair j, token-major (no sort; an expert twice is read twice); the kernels read
+        # the expert ids as they are
+        tok, pairs, ends = _pair_tables(t, topk, idx.device)
+        return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
     bm = 16 if t * topk <= 16 * n_experts else 64
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
@@ -404,11 +405,12 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
     return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot}
 
 
-# MXFP4 at one token on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`): the experts'
-# weights repacked once into the mma fragment layout (mma_layout.py; a second copy of each stack, made at its first
-# one-token step), K split over SPLIT programs whose partials the last to arrive adds. The H200 (bench/probe_mma.py,
-# run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above. PDL (sm_90): down is launched as
-# a programmatic dependent of gate/up, so its first weights load while gate/up finishes.
+# MXFP4 at a few tokens on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`; one program row
+# per (token, slot) pair): the experts' weights repacked once into the mma fragment layout (mma_layout.py; a second
+# copy of each stack, made at its first such step), K split over SPLIT programs whose partials the last to arrive
+# adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
+# PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its first weights load while gate/up
+# finishes.
 MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
@@ -467,8 +469,8 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
-    """hb [k, I / 128, 256] bf16: swiglu(W1 x, W3 x) x 2^64 split hi + lo, the down kernel's B operand (in the
-    order its lanes read it: kernels.py `_hb_index`)."""
+    """hb [t k, I / 128, 256] bf16 (one row per (token, slot) pair): swiglu(W1 x, W3 x) x 2^64 split hi + lo, the
+    down kernel's B operand (in the order its lanes read it: kernels.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
     p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
@@ -497,7 +499,7 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
-    one-token tensor-core path (MOE_MMA) h is that kernel's [k, I / 128, 256] bf16 split form, which moe_down takes."""
+    tensor-core path (MOE_MMA) h is that kernel's [T*k, I / 128, 256] bf16 split form, which moe_down takes."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
     if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
         return _mma_gate_up(x, w1, w3, plan, limit)
@@ -519,8 +521,9 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
              dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
              add: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped launch: contrib [T*k, D] (fp32, row t*k + j) = weights[t, j] * W2[e] h; with the dot
-    path h enters the dot in `dtype` (the activations' dtype). With `out` (one token, the stream path) the
-    k rows are summed in order (plus `add`) into out in the same launch, and out is returned."""
+    path h enters the dot in `dtype` (the activations' dtype). With `out` (one token on the stream path, any tokens
+    on the tensor-core path) each token's k rows are summed in order (plus `add`) into out in the same launch, and
+    out is returned."""
     bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
     if h.dim() == 3:  # the tensor-core gate/up's split h
         return _mma_down(h, w2, weights, plan, out, add)
@@ -580,9 +583,10 @@ def moe_experts(
 # ----------------------------------------------------------------------------------------------------
 # Unquantized linear at decode sizes, mHC split
 
-# Above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) is the better plan: the H200's
-# head (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 / 2431 /
-# 2452 / 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it there).
+# Above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) takes over: the H200's head
+# (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 / 2431 / 2452 /
+# 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it there). The
+# crossover lies between 16 and 32 rows; 16 is the last measured win.
 DENSE_GEMV_MAX_M = 16
 DENSE_GEMV_BLOCK_M = 4  # rows of x a program (its [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products must fit registers)
 # H200 run 8: the head at 1.00 of copy. PROGRAMS: weights wider than DENSE_GEMV_NARROW's MAX_N but with too few

@@ -1438,7 +1438,7 @@ def _mma_h(ptr):
 
 @triton.jit
 def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
-    """A one-warp program's place: (row-tile program, slot j, K part sk, row-tile programs, slot j's expert, the
+    """A one-warp program's place: (row-tile program, pair j, K part sk, row-tile programs, pair j's expert, the
     K tiles of a row tile, those of one part)."""
     ktt = K // 128
     return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
@@ -1474,7 +1474,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
     the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
     that token's x. The last K part of a tile to
     arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
-    in bf16: hb [k, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
+    in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
     may start once every program of this one has started (it waits for this launch's end before it reads h)."""
     if PDL:
         gdc_launch_dependents()
@@ -1688,11 +1688,11 @@ def fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, R, K, stri
             a0, a2 = _e4m3_bf16x2(cur[j])
             a1, a3 = _e4m3_bf16x2(cur[8 + j])
             q0, q1, q2, q3 = _mma_bf16(a0, a1, a2, a3, xb[2 * j], xb[2 * j + 1], q0, q1, q2, q3)
-        sc = _e8m0(tl.load(sp + i), 0) * two56
-        top0 += q0 * sc
-        top1 += q1 * sc
-        bot0 += q2 * sc
-        bot1 += q3 * sc
+        sc = _e8m0(tl.load(sp + i), 0)  # applied after two56 (folded first, scales from 2^72 up would overflow)
+        top0 += q0 * two56 * sc
+        top1 += q1 * two56 * sc
+        bot0 += q2 * two56 * sc
+        bot1 += q3 * two56 * sc
     at = grp * stride_yg + c * 16 + g
     if SPLIT == 1:
         _fp8_mma_store(y_ptr, at, stride_ym, 2 * t, M, top0)
@@ -1897,7 +1897,7 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
     ("moe_gate_up_stream_prmt", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as it runs on sm_90
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
-    ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the one-token tensor-core MXFP4 (inline PTX mma.sync)
+    ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the few-token tensor-core MXFP4 (inline PTX mma.sync)
      _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D TOPK limit",
           "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
           PDL=PDL_AVAILABLE), 1, True),
