@@ -149,15 +149,15 @@ def test_fp8_mma_compiles_for_sm80():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"] and k.asm["cubin"]
 
 
-def _fp8(n: int, k: int, gen: torch.Generator, dev: torch.device) -> QWeight:
+def _fp8(n: int, k: int, gen: torch.Generator, dev: torch.device, top: int = 187) -> QWeight:
     """Random E4M3 codes (no NaN), subnormals included, scales spread over 2^-20..2^20 with some bytes near
-    the top (2^60 and 2^73: products there must not wrap an exponent, and the scale must not meet the kernel's
-    2^56 before the partial does)."""
+    the top (2^60, and `top`: products there must not wrap an exponent; 200 = 2^73: the scale must not meet the
+    kernel's 2^56 before the partial does)."""
     b = torch.randint(0, 256, (n, k), generator=gen, device=dev, dtype=torch.int32).to(torch.uint8)
     b[(b & 0x7F) == 0x7F] = 0x38
     s = torch.randint(107, 148, (n // 128, k // 128), generator=gen, device=dev, dtype=torch.int32).to(torch.uint8)
     s[::3, ::2] = 187
-    s[1::3, 1::2] = 200
+    s[1::3, 1::2] = top
     return QWeight(b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8")
 
 
@@ -192,3 +192,8 @@ def test_fp8_linear_tensor_core_gpu(r, k, groups, min_warps, m, monkeypatch):
     assert err <= 5e-3, err
     assert torch.equal(got, tri._fp8_grouped(x, w, groups)), "not bit-reproducible"
     assert not tri._locks(dev, 0).any()
+    w = _fp8(r * groups, k, gen, dev, top=200)  # x at 2^50 would take these outputs past fp32's range: x as drawn
+    want = torch.einsum("mgk,grk->mgr", x.double(), ref.dequantize(w, torch.float64).view(groups, r, k))
+    got32 = tri._fp8_grouped(x, w, groups, torch.float32).double()
+    for t in range(m):
+        assert ((got32[t] - want[t]).norm() / want[t].norm()).item() <= 1e-5, t
