@@ -222,9 +222,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             y.stride(0), y.stride(1))
     if x_norm is None and glu is None and _fp8_mma_on(x, wd, r, k):
         tiles = r // 16 * g
-        split = max(1, min(k // 128, triton_cdiv(FP8_MMA["min_warps"], tiles)))
-        chunk = triton_cdiv(triton_cdiv(k, split), 128) * 128
-        split = triton_cdiv(k, chunk)
+        chunk, split = _k_chunk(k, max(1, min(k // 128, triton_cdiv(FP8_MMA["min_warps"], tiles))), 128)
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
         launch("fp8_mma_kernel", (r // 16, split, g), x, wd, sd, y, part, _locks(x.device, tiles if split > 1 else 0),
                m, r, k, x.stride(0), x.stride(1), wd.stride(0), sd.stride(0), y.stride(0), y.stride(1),
@@ -244,8 +242,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         split = max(1, min(triton_cdiv(k, step), triton_cdiv(MIN_PROGRAMS, programs)))
         if launch.cpu:
             split = 2 if k > step else 1  # the interpreter covers both forms at small sizes
-        chunk = triton_cdiv(triton_cdiv(k, split), step) * step
-        split = triton_cdiv(k, chunk)
+        chunk, split = _k_chunk(k, split, step)
         prefetch = bool(c["PREFETCH"]) and k % 4 == 0  # the prefetched tile is read as uint32 words
         if prefetch:  # W read as uint32 words: its view and row stride in the arguments
             wd = wd.view(torch.int32)
@@ -293,6 +290,13 @@ def _hw_fp8(t: torch.Tensor) -> bool:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _k_chunk(k: int, split: int, step: int) -> tuple[int, int]:
+    """(chunk, split): a reduced length k cut into about `split` parts of whole `step`s, the split recounted so
+    none is empty."""
+    chunk = triton_cdiv(triton_cdiv(k, split), step) * step
+    return chunk, triton_cdiv(k, chunk)
 
 
 X_FUSED_MAX_K = 8192  # the FP8 stream applies an x_norm or glu itself up to this K (the norm reads the whole row)
@@ -377,8 +381,7 @@ def _pair_tables(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, to
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
-    mma = bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)  # as `_mma_on`
-    if t <= MOE_PAIRS_MAX_T["mma" if mma else "stream"] and MOE_STREAM["on"]:
+    if t <= MOE_PAIRS_MAX_T["mma" if _mma_device(x) else "stream"] and MOE_STREAM["on"]:
         # a few tokens: block j is pair j, token-major (no sort; an expert twice is read twice); the kernels read
         # the expert ids as they are
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
@@ -421,12 +424,16 @@ def _mma_pdl(device: torch.device) -> bool:
     return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _cuda_cc(device) >= (9, 0)
 
 
+def _mma_device(x: torch.Tensor) -> bool:
+    """MOE_MMA on, bf16 x on CUDA sm_80+: the tensor-core kernels can run (shapes aside, `_mma_on`)."""
+    return bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)
+
+
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
-    """Whether x's tokens' k experts each take the tensor-core kernels: bf16 x on CUDA sm_80+, tiles that divide
-    (down's split a power of two), arrival counters for every tile of either launch."""
+    """Whether x's tokens' k experts each take the tensor-core kernels: `_mma_device`, tiles that divide (down's
+    split a power of two), arrival counters for every tile of either launch."""
     (t, d), up, down = x.shape, MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
-    return (bool(MOE_MMA["on"]) and x.dtype == torch.bfloat16 and _cuda_cc(x.device) >= (8, 0)
-            and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
+    return (_mma_device(x) and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
             and t * k * max(inter, d) // 16 <= LOCKS)
 
 
@@ -616,8 +623,7 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
         bn, bk, warps = DENSE_GEMV["BLOCK_N"], max(32, DENSE_GEMV["BLOCK_K"] // bm), DENSE_GEMV["num_warps"]
         blocks = triton_cdiv(n, bn)
         split = 1 if launch.cpu and k <= bk else max(1, min(triton_cdiv(k, bk), DENSE_GEMV["PROGRAMS"] // blocks))
-    chunk = triton_cdiv(triton_cdiv(k, split), bk) * bk
-    split = triton_cdiv(k, chunk)
+    chunk, split = _k_chunk(k, split, bk)
     y = _empty(m, n, dtype=out_dtype, device=x.device)
     part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton_cdiv(m, bm) * blocks
@@ -767,9 +773,7 @@ def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
     rows, n, d = h3.shape
     fn = fn.float().contiguous()
     mix, bd = fn.shape[0], HC_MIX_BLOCK_D
-    split = max(1, min(triton_cdiv(d, bd), MIN_PROGRAMS // rows))
-    chunk = triton_cdiv(triton_cdiv(d, split), bd) * bd
-    split = triton_cdiv(d, chunk)
+    chunk, split = _k_chunk(d, max(1, min(triton_cdiv(d, bd), MIN_PROGRAMS // rows)), bd)
     part = _empty(rows, split, mix + n * n, dtype=torch.float64, device=h3.device)
     _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, n, d, chunk, mix, h3.stride(0), fn.stride(0),
                 part.stride(0), h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2), MIXP=_pow2(mix), BLOCK_D=bd,
