@@ -58,7 +58,7 @@ if SMALL:
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
 MOE_TOKENS = (1, 4) if SMALL else (1, 4, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64)
-HEAD_ROWS = (5,) if SMALL else (4, 8, 16, 32)  # the head at a batched step's rows, streamed and by the reference
+HEAD_ROWS = (5,) if SMALL else (2, 4, 8, 16)  # the head at a batched step's rows: tensor cores, stream, reference
 FP8_ROWS = (2,) if SMALL else (2, 4, 8, 16)  # wq_b at a batched decode step's rows, stream and tensor-core forms
 
 
@@ -540,16 +540,31 @@ def other_bench(results: dict, copy: float, sweep: bool) -> None:
             best = {"us": ms * 1e3, "frac": frac, "cfg": dict(cfg)}
     tri.DENSE_GEMV.update(saved)
     out["dense_head_M1"] = best
-    # a batched step's rows: the stream in DENSE_GEMV_BLOCK_M row blocks against the reference (a float32 copy of W,
-    # then cuBLAS), to place DENSE_GEMV_MAX_M
-    saved_m, by_m = tri.DENSE_GEMV_MAX_M, {}
-    for m in HEAD_ROWS:
-        xm = torch.randn(m, HID, device=DEV, generator=GEN)
-        for form, max_m in (("stream", m), ("reference", 0)):
+    # a batched step's rows: the tensor-core form (x in bf16 parts, DENSE_MMA's tiles swept), the stream in
+    # DENSE_GEMV_BLOCK_M row blocks, the reference (a float32 copy of W, then cuBLAS); fp32 x, and bf16 x at 64 rows
+    saved_m, saved_mma, by_m = tri.DENSE_GEMV_MAX_M, dict(tri.DENSE_MMA), {}
+    mma_cfgs = [dict(saved_mma)] + [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st} for bn, bk, nw, st
+                                    in ((64, 64, 4, 4), (128, 128, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3),
+                                        (128, 64, 4, 6), (64, 128, 4, 4)) if sweep]
+    cases = [(m, torch.float32) for m in HEAD_ROWS] + ([] if SMALL else [(64, torch.bfloat16)])
+    for m, dt in cases:
+        xm = torch.randn(m, HID, device=DEV, generator=GEN).to(dt)
+        forms = [("mma", cfg, 0) for cfg in (mma_cfgs if not SMALL else [])]
+        forms += [("stream", None, m)] if m <= 16 and dt == torch.float32 else []
+        forms += [("reference", None, 0)]
+        for form, cfg, max_m in forms:
+            tri.DENSE_MMA.update(cfg or {"on": False})
             tri.DENSE_GEMV_MAX_M = max_m
-            ms = time_graph_ms(lambda w, xm=xm: tri.linear(xm, w), [(w,) for w in heads])
-            by_m[f"M{m} {form}"] = {"us": ms * 1e3, "frac": heads[0].nbytes() / (ms * 1e-3) / 1e12 / copy}
-            print(f"dense head M={m} {form} {ms * 1e3:8.1f} us", flush=True)
+            ms = time_graph_ms(lambda w, xm=xm: tri.linear(xm, w, torch.float32), [(w,) for w in heads])
+            row = {"us": ms * 1e3, "frac": heads[0].nbytes() / (ms * 1e-3) / 1e12 / copy}
+            key = f"M{m} {str(dt)[6:]} {form}"
+            print(f"dense head {key} {cfg or ''} {ms * 1e3:8.1f} us frac={row['frac']:.3f}", flush=True)
+            if cfg:
+                row["cfg"] = dict(cfg)
+            if key not in by_m or row["us"] < by_m[key]["us"]:
+                by_m[key] = row
+            tri.DENSE_MMA.clear()
+            tri.DENSE_MMA.update(saved_mma)
     tri.DENSE_GEMV_MAX_M = saved_m
     out["dense_head_by_M"] = by_m
     results["other"] = out

@@ -62,6 +62,54 @@ def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkey
     assert calls == []
 
 
+@pytest.mark.parametrize("parts, exact", [(4, True), (3, True), (2, False)])
+def test_x_parts_sum_to_x(parts, exact):
+    """dense_mma's premise: bf16 parts whose sum is x, so their products with bf16 W are exact. Three hold any
+    float32 of normal range (x over 2^-100..2^100 here); two cannot (16 of fp32's 24 bits, plus a sign)."""
+    g = torch.Generator().manual_seed(parts)
+    x = torch.randn(7, 512, generator=g) * torch.exp2(torch.randint(-100, 100, (7, 512), generator=g).float())
+    p = tri.x_parts(x, parts)
+    assert p.dtype == torch.bfloat16 and p.shape == (7 * parts, 512)
+    total = p.double().reshape(7, parts, 512).sum(1)
+    assert torch.equal(total, x.double()) == exact
+    if parts == 4:
+        assert not p.reshape(7, 4, 512)[:, 3].any()  # the power-of-two filler
+
+
+@pytest.mark.parametrize("m, n, k", [(2, 200, 96), (5, 130, 64), (16, 37, 300)])
+def test_dense_mma_in_the_interpreter(m, n, k):
+    """The kernel's tiling, masks and the parts' sum after the K loop, with fp32 W holding bf16 values (the
+    interpreter has no bf16) and rows of x 2^-20..2^20 apart: each row within 1e-5 of float64 (fp32 sums)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 6, m)[:, None]
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().float()
+    y = tri._dense_mma(x, w, torch.float32)
+    want = x.double() @ w.double().T
+    assert not torch.isnan(y).any()
+    assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
+@pytest.mark.parametrize("dtype, m", [(torch.float32, 2), (torch.float32, 7), (torch.float32, 16),
+                                      (torch.bfloat16, 2), (torch.bfloat16, 33), (torch.bfloat16, 64)])
+def test_dense_mma_takes_the_head_on_a_gpu(dtype, m, monkeypatch):
+    """linear() routes a wide bf16 W at 2+ rows to dense_mma; each row within 1e-5 of float64 (fp32 sums of
+    exact products), fp32 logits from bf16 x too, and the same bits on a second call."""
+    taken = []
+    real = tri._dense_mma
+    monkeypatch.setattr(tri, "_dense_mma", lambda *a: taken.append(a[0].shape) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(m)
+    n, k = 8192 + 3, 4096
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = QWeight((torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16(), None, "dense")
+    y = tri.linear(x, w, torch.float32)
+    assert taken == [(m, k)]
+    want = x.double() @ w.data.double().T
+    assert not torch.isnan(y).any()
+    assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
+    assert torch.equal(tri.linear(x, w, torch.float32), y)
+
+
 def _hc_case(g: torch.Generator, n: int, d: int, dtype: torch.dtype) -> tuple:
     """mHC weights for n streams of width d: fn [2n + n*n, n*d], base, scale, and a block RMSNorm weight."""
     fn = torch.randn(2 * n + n * n, n * d, generator=g) / (n * d) ** 0.5 * 3

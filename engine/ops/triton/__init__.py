@@ -317,8 +317,12 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
         if x_norm is not None and not fused:
             x, x_norm = rms_norm(x, *x_norm), None
     lead = x.shape[:-1]
-    if w.kind == "dense" and x.numel() <= DENSE_GEMV_MAX_M * x.shape[-1] and not _use_reference(x, w.data):
-        return _dense_linear(x, w, out_dtype or x.dtype)
+    if w.kind == "dense" and not _use_reference(x, w.data):
+        x2 = x.reshape(-1, x.shape[-1])
+        if _dense_mma_on(x2, w.data):
+            return _dense_mma(x2.contiguous(), w.data.contiguous(), out_dtype or x.dtype).reshape(*lead, -1)
+        if x2.shape[0] <= DENSE_GEMV_MAX_M:
+            return _dense_linear(x, w, out_dtype or x.dtype)
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w, out_dtype)
     y = _fp8_grouped(x.reshape(-1, 1, x.shape[-1]).contiguous(), w, 1, out_dtype, x_norm, glu)
@@ -590,10 +594,11 @@ def moe_experts(
 # ----------------------------------------------------------------------------------------------------
 # Unquantized linear at decode sizes, mHC split
 
-# Above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) takes over: the H200's head
-# (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 / 2431 / 2452 /
-# 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it there). The
-# crossover lies between 16 and 32 rows; 16 is the last measured win.
+# A wide bf16 W on a GPU takes DENSE_MMA below at 2+ rows (the head at 2-16 fp32 rows: 264-278 us, NOTES run 112).
+# Otherwise, above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) takes over: the
+# H200's head (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 /
+# 2431 / 2452 / 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it
+# there). The crossover lies between 16 and 32 rows; 16 is the last measured win.
 DENSE_GEMV_MAX_M = 16
 DENSE_GEMV_BLOCK_M = 4  # rows of x a program (its [BLOCK_M, BLOCK_N, BLOCK_K] fp32 products must fit registers)
 # H200 run 8: the head at 1.00 of copy. PROGRAMS: weights wider than DENSE_GEMV_NARROW's MAX_N but with too few
@@ -632,6 +637,52 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
            SPLITP=_pow2(split, 1) if split > 1 else 0, num_warps=warps)
     return y.reshape(*lead, n)
+
+
+# Wide W (the head) at 2+ rows on the tensor cores: x in bf16 parts, fp32 sums (`dense_mma_kernel`), up to max_cols
+# part columns (64: 16 fp32 rows, 64 bf16 ones); above, the reference. One row stays on dense_gemv (1.00 of copy).
+# H200 run 112, the head at 2 / 4 / 8 / 16 fp32 rows and 64 bf16 ones: 273 / 272 / 275 / 278 / 264 us (0.90-0.94 of
+# copy); six other tiles were within 3% at up to 8 rows and worse at 16-64.
+DENSE_MMA = {"on": True, "max_cols": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+
+
+def x_parts(x: torch.Tensor, parts: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] as `parts` rows of dtype each ([M * parts, K], row m's at m * parts ..), each the rounding of what
+    the ones before left, so their sum is x: with bf16, 3 parts hold any float32 exactly (8 significant bits
+    each, and the residuals' signs), while every part stays in bf16's normal range (|x| >= 2^-100 or 0); a 4th,
+    zero, makes the count a power of two for the kernel's reshape."""
+    out, rest = [], x.float()
+    for _ in range(parts):
+        out.append(rest.to(dtype))
+        rest = rest - out[-1].float()
+    return torch.stack(out, 1).reshape(-1, x.shape[-1])
+
+
+def _dense_mma_on(x2: torch.Tensor, wd: torch.Tensor) -> bool:
+    """A GPU with bf16 dots (ROCm, CUDA sm_80+), bf16 W wider than DENSE_GEMV_NARROW, bf16 or fp32 x of 2+ rows
+    whose parts fit DENSE_MMA's columns, 16-byte aligned rows."""
+    m, k = x2.shape
+    nar = DENSE_GEMV_NARROW
+    return (bool(DENSE_MMA["on"]) and wd.dtype == torch.bfloat16 and x2.dtype in (torch.bfloat16, torch.float32)
+            and x2.device.type == "cuda" and (torch.version.hip is not None or _cuda_cc(x2.device) >= (8, 0))
+            and m >= 2 and m * (1 if x2.dtype == torch.bfloat16 else 4) <= DENSE_MMA["max_cols"]
+            and (wd.shape[0] > nar["MAX_N"] or k > nar["MAX_K"]) and k % 8 == 0 and wd.stride(0) % 8 == 0)
+
+
+def _dense_mma(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x2 @ W^T by dense_mma_kernel: bf16 x2 is its own one part, fp32 x2 four bf16 parts (a CPU test's fp32
+    W holds bf16 values; the parts are widened to fp32 there and dotted in IEEE fp32)."""
+    m, k = x2.shape
+    n = wd.shape[0]
+    parts = 1 if x2.dtype == torch.bfloat16 else 4
+    xp = x_parts(x2, parts).to(wd.dtype) if parts > 1 else x2
+    y = _empty(m, n, dtype=out_dtype, device=x2.device)
+    cfg = DENSE_MMA
+    _Launch(x2)("dense_mma_kernel", (triton_cdiv(n, cfg["BLOCK_N"]),), xp, wd, y, m, n, k, xp.stride(0),
+                wd.stride(0), y.stride(0), PARTS=parts, BLOCK_N=cfg["BLOCK_N"], BLOCK_C=_pow2(m * parts),
+                BLOCK_K=cfg["BLOCK_K"], IEEE=wd.dtype == torch.float32, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    return y
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}

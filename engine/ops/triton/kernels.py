@@ -965,6 +965,34 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
 
 
 @triton.jit
+def dense_mma_kernel(xp_ptr, w_ptr, y_ptr, M, N, K, stride_xc, stride_wn, stride_ym, PARTS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """y = x @ W^T for an unquantized W at a few rows of x, on the tensor cores (MFMA on gfx90a) with the
+    stream's fp32 numerics: x arrives as PARTS columns of W's dtype per row (xp [M * PARTS, K], row m's parts at
+    m * PARTS ..) whose sum is x exactly, so each product is exact and only the fp32 sums round. A program owns
+    BLOCK_N rows of W and every x column (BLOCK_C >= M * PARTS): W is read once whatever the rows, where
+    dense_gemv's fp32 products grow with them. A row's parts are added after the K loop."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, BLOCK_C)
+    n_ok, c_ok = rn < N, rc < M * PARTS
+    w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        w = tl.load(w_row + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xp = tl.load(xp_ptr + rc[None, :] * stride_xc + rk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, xp, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xp, acc)
+    y = tl.sum(tl.reshape(acc, (BLOCK_N, BLOCK_C // PARTS, PARTS)), axis=2)  # [BN, rows of x]
+    rm = tl.arange(0, BLOCK_C // PARTS)
+    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], y.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (rm < M)[None, :])
+
+
+@triton.jit
 def compress_pool_kernel(kv_ptr, gate_ptr, rkv_ptr, rg_ptr, ape_ptr, ent_ptr, pos_ptr, C, D,
                          stride_kb, stride_rb, stride_rs, stride_eb, stride_es,
                          R: tl.constexpr, RING: tl.constexpr, NSLOT: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -1830,6 +1858,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("x_ptr w_ptr y_ptr part_ptr lock_ptr M N K K_CHUNK n_split stride_xm stride_wn stride_ym stride_ps",
           "*fp32 *bf16 *fp32 *fp32 *i32 i32 i32 i32 i32 i32 i32 i32 i32 i32", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
           SPLITP=16), 2, False),
+    ("dense_mma", dense_mma_kernel,  # the head at 2-16 fp32 rows: 4 bf16 parts a row on MFMA / mma
+     _sig("xp_ptr w_ptr y_ptr M N K stride_xc stride_wn stride_ym", "*bf16 *bf16 *fp32 i32 i32 i32 i32 i32 i32",
+          PARTS=4, BLOCK_N=128, BLOCK_C=32, BLOCK_K=64, IEEE=False), 4, True),
     ("compress_pool", compress_pool_kernel,
      _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
           "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
