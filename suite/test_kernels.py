@@ -83,13 +83,15 @@ def test_linear_fp8(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, 
     check("linear", ops.linear(x, w), reference.linear(f64(x), w), dtype, cdna2_tolerance, cdna2_record)
 
 
+@pytest.mark.parametrize("n,k", [(77, 300), (37, 8200)], ids=["narrow", "wide"])
 @pytest.mark.parametrize("B,S", SHAPES)
-def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S):
-    """Unquantized weights (head, router, compressors): bf16 as stored on a GPU, fp16 in the interpreter."""
-    torch.manual_seed(B * 100 + S + 7)
+def test_linear_dense(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S, n, k):
+    """Unquantized weights (head, router, compressors): bf16 as stored on a GPU, fp16 in the interpreter. wide: longer
+    rows than the narrow plan takes, so the head's plans run (on a GPU, 7 and 10 rows on the tensor cores)."""
+    torch.manual_seed(B * 100 + S + 7 + n)
     wdt = torch.float16 if cdna2_device.type == "cpu" else torch.bfloat16
-    x, w = rnd(B, S, 300, dev=cdna2_device, dtype=dtype), QWeight(rnd(77, 300, dev=cdna2_device, dtype=wdt), None,
-                                                                  "dense")
+    x, w = rnd(B, S, k, dev=cdna2_device, dtype=dtype), QWeight(rnd(n, k, dev=cdna2_device, dtype=wdt, scale=k**-0.5),
+                                                                None, "dense")
     check("linear_dense", ops.linear(x, w), reference.linear(f64(x), w), dtype, cdna2_tolerance, cdna2_record)
 
 
