@@ -76,10 +76,11 @@ def test_x_parts_sum_to_x(parts, exact):
         assert not p.reshape(7, 4, 512)[:, 3].any()  # the power-of-two filler
 
 
-@pytest.mark.parametrize("m, n, k", [(2, 200, 96), (5, 130, 64), (16, 37, 300)])
+@pytest.mark.parametrize("m, n, k", [(2, 200, 96), (5, 130, 64), (16, 37, 300), (3, 4100, 72)])
 def test_dense_mma_in_the_interpreter(m, n, k):
     """The kernel's tiling, masks and the parts' sum after the K loop, with fp32 W holding bf16 values (the
-    interpreter has no bf16) and rows of x 2^-20..2^20 apart: each row within 1e-5 of float64 (fp32 sums)."""
+    interpreter has no bf16) and rows of x 2^-20..2^20 apart: each row within 1e-5 of float64 (fp32 sums), and the
+    same bits again."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g) * torch.logspace(-6, 6, m)[:, None]
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().float()
@@ -87,6 +88,7 @@ def test_dense_mma_in_the_interpreter(m, n, k):
     want = x.double() @ w.double().T
     assert not torch.isnan(y).any()
     assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
+    assert torch.equal(tri._dense_mma(x, w, torch.float32), y)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
