@@ -65,10 +65,13 @@ def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkey
 @pytest.mark.parametrize("parts, exact", [(4, True), (3, True), (2, False)])
 def test_x_parts_sum_to_x(parts, exact):
     """dense_mma's premise: bf16 parts whose sum is x, so their products with bf16 W are exact. Three hold any
-    float32 of normal range (x over 2^-100..2^100 here); two cannot (16 of fp32's 24 bits, plus a sign)."""
+    finite float32 from 2^-100 up (here 2^-100..2^127, and fp32's largest, which rounds to inf as a bf16); two
+    cannot (16 of fp32's 24 bits)."""
     g = torch.Generator().manual_seed(parts)
-    x = torch.randn(7, 512, generator=g) * torch.exp2(torch.randint(-100, 100, (7, 512), generator=g).float())
+    x = torch.randn(7, 512, generator=g) * torch.exp2(torch.randint(-100, 127, (7, 512), generator=g).float())
+    x[0, :4] = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 3.3961e38, 2.0**-100])
     p = tri.x_parts(x, parts)
+    assert torch.isfinite(p).all()
     assert p.dtype == torch.bfloat16 and p.shape == (7 * parts, 512)
     total = p.double().reshape(7, parts, 512).sum(1)
     assert torch.equal(total, x.double()) == exact

@@ -320,7 +320,7 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
     if w.kind == "dense" and not _use_reference(x, w.data):
         x2 = x.reshape(-1, x.shape[-1])
         if _dense_mma_on(x2, w.data):
-            return _dense_mma(x2.contiguous(), w.data.contiguous(), out_dtype or x.dtype).reshape(*lead, -1)
+            return _dense_mma(x2.contiguous(), w.data, out_dtype or x.dtype).reshape(*lead, -1)
         if x2.shape[0] <= DENSE_GEMV_MAX_M:
             return _dense_linear(x, w, out_dtype or x.dtype)
     if w.kind != "fp8" or _use_reference(x):
@@ -646,27 +646,30 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
 DENSE_MMA = {"on": True, "max_cols": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 
 
-def x_parts(x: torch.Tensor, parts: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [M, K] as `parts` rows of dtype each ([M * parts, K], row m's at m * parts ..), each the rounding of what
-    the ones before left, so their sum is x: with bf16, 3 parts hold any float32 exactly (8 significant bits
-    each, and the residuals' signs), while every part stays in bf16's normal range (|x| >= 2^-100 or 0); a 4th,
-    zero, makes the count a power of two for the kernel's reshape."""
+def x_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """x [M, K] as `parts` bf16 rows each ([M * parts, K], row m's at m * parts ..) whose sum is x: each part is
+    what the ones before left, truncated to its top 8 significant bits (exact in bf16, and never rounded up to
+    inf), so 3 parts hold any finite float32 exactly while every part stays a normal bf16 (|x| >= 2^-100 or 0;
+    below, the last bits fall under bf16's subnormals); a 4th, zero, makes the count a power of two."""
     out, rest = [], x.float()
     for _ in range(parts):
-        out.append(rest.to(dtype))
-        rest = rest - out[-1].float()
+        head = (rest.view(torch.int32) & -65536).view(torch.float32)
+        out.append(head.to(torch.bfloat16))
+        rest = rest - head
     return torch.stack(out, 1).reshape(-1, x.shape[-1])
 
 
 def _dense_mma_on(x2: torch.Tensor, wd: torch.Tensor) -> bool:
-    """A GPU with bf16 dots (ROCm, CUDA sm_80+), bf16 W wider than DENSE_GEMV_NARROW, bf16 or fp32 x of 2+ rows
-    whose parts fit DENSE_MMA's columns, 16-byte aligned rows."""
+    """A GPU with bf16 dots (ROCm, CUDA sm_80+), bf16 W wider than DENSE_GEMV_NARROW with unit-stride, 16-byte
+    aligned rows (read in place: no copy of the head), bf16 or fp32 x of 2+ rows whose parts fit DENSE_MMA's
+    columns."""
     m, k = x2.shape
     nar = DENSE_GEMV_NARROW
     return (bool(DENSE_MMA["on"]) and wd.dtype == torch.bfloat16 and x2.dtype in (torch.bfloat16, torch.float32)
             and x2.device.type == "cuda" and (torch.version.hip is not None or _cuda_cc(x2.device) >= (8, 0))
             and m >= 2 and m * (1 if x2.dtype == torch.bfloat16 else 4) <= DENSE_MMA["max_cols"]
-            and (wd.shape[0] > nar["MAX_N"] or k > nar["MAX_K"]) and k % 8 == 0 and wd.stride(0) % 8 == 0)
+            and (wd.shape[0] > nar["MAX_N"] or k > nar["MAX_K"]) and k % 8 == 0
+            and wd.stride(-1) == 1 and wd.stride(0) % 8 == 0 and wd.data_ptr() % 16 == 0)
 
 
 def _dense_mma(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

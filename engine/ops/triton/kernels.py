@@ -967,9 +967,10 @@ def dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_CHUNK,
 @triton.jit
 def dense_mma_kernel(xp_ptr, w_ptr, y_ptr, M, N, K, stride_xc, stride_wn, stride_ym, PARTS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """y = x @ W^T for an unquantized W at a few rows of x, on the tensor cores (MFMA on gfx90a) with the
-    stream's fp32 numerics: x arrives as PARTS columns of W's dtype per row (xp [M * PARTS, K], row m's parts at
-    m * PARTS ..) whose sum is x exactly, so each product is exact and only the fp32 sums round. A program owns
+    """y = x @ W^T for an unquantized W at a few rows of x, on the tensor cores (MFMA on gfx90a) with fp32
+    accuracy: x arrives as PARTS columns of W's dtype per row (xp [M * PARTS, K], row m's parts at m * PARTS ..)
+    whose sum is x exactly, so each product is exact and only the fp32 accumulation rounds (in the tensor cores'
+    order and rounding: not dense_gemv's bits, the same error bound). A program owns
     BLOCK_N rows of W and every x column (BLOCK_C >= M * PARTS): W is read once whatever the rows, where
     dense_gemv's fp32 products grow with them. A row's parts are added after the K loop."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
