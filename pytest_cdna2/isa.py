@@ -123,11 +123,13 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from cdna2_engine.ops.triton import COMPILE_OPTIONS
+
     tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     signature, constexprs = with_defaults(fn, signature, constexprs)
     try:
         k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
-                           options={"num_warps": num_warps})
+                           options={"num_warps": num_warps, **COMPILE_OPTIONS})
     except Exception as exc:  # the audit reports a failing compile instead of raising, its root cause first
         root = exc
         while root.__cause__ or root.__context__:
@@ -146,6 +148,7 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
         a.denorm_f16 = _meta(text, "amdhsa_float_denorm_mode_16_64")
         a.denorm_f32 = _meta(text, "amdhsa_float_denorm_mode_32")
         a.extra["vgpr_spill_count"] = _meta(text, "vgpr_spill_count")
+        a.extra["fp32_fma"] = bool(re.search(r"\bv_(fma|fmac|pk_fma)_f32", text))  # also v_fmac_f32_e32
         if a.vgpr is not None:
             a.waves_per_simd = occupancy_gfx90a(a.vgpr)
     else:

@@ -87,3 +87,36 @@ def test_sm90_fp8_stream_uses_hardware_conversion(name):
     sig, const = isa.with_defaults(fn, sig, const)
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget(*isa.SM90), options={"num_warps": warps})
     assert "e4m3x2" in k.asm["ptx"]
+
+
+def test_fma_contraction_is_pinned_in_launches_and_the_audit(monkeypatch):
+    """The engine passes enable_fp_fusion=True itself (COMPILE_OPTIONS): with Triton's default turned off, as
+    Triton 3.10 does, a*b+c still compiles to one FMA on gfx90a, and every launch carries the option."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from cdna2_engine.ops import triton as tri
+
+    @triton.jit
+    def axpb(a_ptr, b_ptr, c_ptr, y_ptr):
+        i = tl.arange(0, 64)
+        tl.store(y_ptr + i, tl.load(a_ptr + i) * tl.load(b_ptr + i) + tl.load(c_ptr + i))
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    sig = {"a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "y_ptr": "*fp32"}
+    assert isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A).extra["fp32_fma"]
+    monkeypatch.setattr(tri, "COMPILE_OPTIONS", {"enable_fp_fusion": False})  # the audit can tell the difference
+    assert not isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A).extra["fp32_fma"]
+
+    seen = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw)
+
+    monkeypatch.setattr(tri, "COMPILE_OPTIONS", {"enable_fp_fusion": True})
+    launch = tri._Launch(torch.empty(1))
+    launch.mod, launch.cpu = type("M", (), {"k": Fake()})(), False
+    launch("k", (1,), num_warps=4)
+    assert seen == [{"enable_fp_fusion": True, "num_warps": 4}]

@@ -100,6 +100,12 @@ def _interpreted() -> ModuleType:
     return _INTERP
 
 
+# Compile options every launch (and the ISA tier's audit) passes. FMA contraction is pinned on: the kernels were tuned
+# and validated with a*b+c as one FMA (the MXFP4 stream's split adds count on it), and Triton 3.10 turns the default
+# off (3.9 warns that TRITON_DEFAULT_FP_FUSION is unset).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
 class _Launch:
     """kernel[grid](...) against the compiled or the interpreted copy, chosen by the tensors' device."""
 
@@ -109,6 +115,7 @@ class _Launch:
 
     def __call__(self, name: str, grid: tuple[int, ...], *args, **kwargs) -> None:
         fn = getattr(self.mod, name)
+        kwargs = {**COMPILE_OPTIONS, **kwargs}
         if self.cpu:
             with _interpret_env():
                 fn[grid](*args, **kwargs)
