@@ -425,7 +425,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
 # PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its first weights load while gate/up
 # finishes.
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "PRE": False}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -511,8 +511,7 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
                 weights.contiguous().reshape(-1), part, _locks(hb.device, (p // k if fused else p) * d // 16), c,
                 c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
-                HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl,
-                PRE=inter // 128 // split if MOE_MMA["PRE"] else 0, num_warps=1)
+                HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 

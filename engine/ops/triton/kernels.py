@@ -1475,24 +1475,6 @@ def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _ld16_early(ptr):
-    """`_ld16` kept where it stands, before a programmatic dependent launch's wait: ptxas sinks non-coherent (.nc)
-    loads below the wait, to their use, and an asm marked pure may be moved by the compiler before it."""
-    return tl.inline_asm_elementwise("ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _mma_tile_load_early(wp, sp, n):
-    """`_mma_tile_load` with every load kept before a later wait."""
-    w0, w1, w2, w3 = _ld16_early(wp + n * 256)
-    w4, w5, w6, w7 = _ld16_early(wp + n * 256 + 128)
-    sv = tl.load((sp + n * 64).to(tl.pointer_type(tl.uint16), bitcast=True), volatile=True)
-    return w0, w1, w2, w3, w4, w5, w6, w7, sv & 0xFF, sv >> 8
-
-
-@triton.jit
 def _mma_tile_load(wp, sp, n):
     """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: the lane's first word of a
     tile stored as [2, 32 lanes, 4 words], so each 16-byte load of a warp reads 512 consecutive bytes; sp: its
@@ -1584,7 +1566,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 @triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
                         SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
-                        PDL: tl.constexpr = False, PRE: tl.constexpr = 0):
+                        PDL: tl.constexpr = False):
     """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
@@ -1598,43 +1580,30 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     wp = w_ptr + (tile0 * 256 + lane * 4)
     sp = s_ptr + (tile0 * 64 + lane * 2)
     xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
+    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
+    if PDL:
+        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
+    x0, x1, x2, x3 = _mma_h(xp)
+    x4, x5, x6, x7 = _mma_h(xp + 256)
     top = tl.zeros((32,), dtype=tl.float32)
     bot = top
-    if PRE > 0:  # all PRE (= kt) tiles of the part loaded before the wait, then the tiles in order
-        ws = ()
-        for n in tl.static_range(PRE):
-            ws = ws + (_mma_tile_load_early(wp, sp, n),)
-        if PDL:
-            gdc_wait()
-        for n in tl.static_range(PRE):
-            w = ws[n]
-            y0, y1, y2, y3 = _mma_h(xp + n * 256)
-            p, q = _mma_tile(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], y0, y1, y2, y3, gg, w[8], w[9])
-            top += p
-            bot += q
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
-        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
-        if PDL:
-            gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-        x0, x1, x2, x3 = _mma_h(xp)
-        x4, x5, x6, x7 = _mma_h(xp + 256)
-        for i in range(0, kt, 2):
-            w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
-            v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
-            ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
-            y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
-            n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
-            a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
-            b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
-            x0, x1, x2, x3 = _mma_h(xp + n * 256)
-            x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
-            p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
-            top += p
-            bot += q
-            p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
-            top += p
-            bot += q
+    for i in range(0, kt, 2):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
+        y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+        n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
+        x0, x1, x2, x3 = _mma_h(xp + n * 256)
+        x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
+        p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
+        top += p
+        bot += q
+        p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
+        top += p
+        bot += q
     pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
     tl.store(pp, _quad_sum(top), mask=t == 0)
     tl.store(pp + 8, _quad_sum(bot), mask=t == 0)
