@@ -423,8 +423,8 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # per (token, slot) pair): the experts' weights repacked once into the mma fragment layout (mma_layout.py; a second
 # copy of each stack, made at its first such step), K split over SPLIT programs whose partials the last to arrive
 # adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
-# PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its first weights load while gate/up
-# finishes.
+# PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its launch and first loads overlap gate/up's
+# end (NOTES runs 63, 118).
 MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 

@@ -1572,8 +1572,10 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
     arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
     TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90,
     launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first step's
-    weights and the pairs' experts are read before the wait, so they must have been written before gate/up began
-    (the host launches without PDL right after a repack); everything else is read and written after it."""
+    weights and the pairs' experts are read before the wait in the source, so they must have been written before
+    gate/up began (the host launches without PDL right after a repack); everything else is read and written after
+    it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc loads below the
+    wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
     r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
