@@ -8,6 +8,7 @@ BLOCK-byte steps) and a grid of one program per chunk.
 
     python bench/probe_read.py [--out DIR]      # on the GPU machine (~30 s)
     python bench/probe_read.py --sweep 33.6,53.6 --out DIR   # more tiles at a few sizes
+    python bench/probe_read.py --tma 33.6,53.6,80.4 --out DIR   # Hopper's tensor memory accelerator beside them
 """
 
 from __future__ import annotations
@@ -42,12 +43,78 @@ def read_kernel(src, out, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out + p, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def tma_read_kernel(desc, out, ROWS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums rows [p ROWS, (p + 1) ROWS) of an int32 [R, BC] view, BR rows a step, through TMA tensor
+    loads into shared memory that Triton's pipeliner keeps STAGES deep (sm_90)."""
+    p = tl.program_id(0)
+    acc = tl.zeros((BR, BC), dtype=tl.int32)
+    for i in tl.range(0, ROWS, BR, num_stages=STAGES):
+        acc += desc.load([p * ROWS + i, 0])
+    tl.store(out + p, tl.sum(acc))
+
+
+def tma_tiles(copy: float, sizes: list[float]) -> list[dict]:
+    """The best TMA read at each size against the LDG tiles' (TILES), in the same run."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = []
+    for mb in sizes:
+        for name, tiles in (("ldg", [(c, b, w, None) for c, b, w in TILES]),
+                            ("tma", [(rows_, br, w, st) for rows_ in (32, 64, 128, 256) for br in (8, 16, 32)
+                                     for w in (4,) for st in (2, 3, 4) if br < rows_])):
+            best = None
+            for a, b, warps, stages in tiles:
+                unit = a * 1024 if name == "tma" else 64
+                nbytes = int(mb * 1e6) // unit * unit
+                copies = max(2, -(-240_000_000 // nbytes))
+                bufs = [torch.randint(-1000, 1000, (nbytes // 4,), device="cuda", dtype=torch.int32)
+                        for _ in range(copies)]
+                if name == "tma":
+                    grid = nbytes // (a * 1024)
+                    args = [(TensorDescriptor.from_tensor(x.view(-1, 256), [b, 256]),) for x in bufs]
+                else:
+                    grid = -(-nbytes // a)
+                    args = [(x,) for x in bufs]
+                out = torch.empty(grid, device="cuda", dtype=torch.int32)
+
+                def fn(src, a=a, b=b, warps=warps, stages=stages, grid=grid, out=out, n=nbytes // 4, name=name):
+                    if name == "tma":
+                        tma_read_kernel[(grid,)](src, out, ROWS=a, BR=b, BC=256, STAGES=stages, num_warps=warps)
+                    else:
+                        read_kernel[(grid,)](src, out, n, CHUNK=a, BLOCK=b, num_warps=warps)
+
+                try:
+                    fn(*args[0])
+                    torch.cuda.synchronize()
+                    assert out.sum().item() == bufs[0].sum().item()  # it read every word
+                    ms = B.time_graph_ms(fn, args)
+                except Exception as exc:  # a tile that does not compile or fit is reported, not fatal
+                    print(f"{mb} MB {name} {a} {b} {warps} {stages} failed: {exc!r}"[:200], flush=True)
+                    continue
+                frac = nbytes / (ms * 1e-3) / 1e12 / copy
+                print(f"{mb:7.1f} MB {name} {a:6d} {b:5d} warps {warps} stages {stages}  {ms * 1e3:8.2f} us  "
+                      f"{frac:.3f} of copy", flush=True)
+                if best is None or frac > best["frac"]:
+                    best = {"MB": mb, "kind": name, "us": ms * 1e3, "frac": frac, "tile": [a, b, warps, stages]}
+                del bufs, args
+            rows.append(best)
+    print("best by size:", ", ".join(f"{r['MB']} MB {r['kind']} {r['frac']:.3f}" for r in rows if r))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", help="comma-separated sizes in MB: try every tile of 8-64 KB a program, 2-16 KB a "
                                     "step, 16-128 bytes a thread a step, 1-8 warps (instead of TILES)")
+    ap.add_argument("--tma", help="comma-separated sizes in MB: the TMA tiles beside the LDG ones (sm_90)")
     a = ap.parse_args()
+    if a.tma:
+        rows = tma_tiles(B.copy_tbps(), [float(v) for v in a.tma.split(",")])
+        with open(os.path.join(a.out, "probe_read_tma.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     sizes, tiles = SIZES_MB, TILES
     if a.sweep:
         sizes = [float(v) for v in a.sweep.split(",")]
