@@ -1725,17 +1725,12 @@ def fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, R, K, stri
         bot0 += q2 * two56 * sc
         bot1 += q3 * two56 * sc
     at = grp * stride_yg + c * 16 + g
-    if SPLIT == 1:
-        _fp8_mma_store(y_ptr, at, stride_ym, 2 * t, M, top0)
-        _fp8_mma_store(y_ptr, at, stride_ym, 2 * t + 1, M, top1)
-        _fp8_mma_store(y_ptr, at + 8, stride_ym, 2 * t, M, bot0)
-        _fp8_mma_store(y_ptr, at + 8, stride_ym, 2 * t + 1, M, bot1)
-    else:
-        pp = part_ptr + sk * stride_ps
-        _fp8_mma_store(pp, at, stride_ym, 2 * t, M, top0)
-        _fp8_mma_store(pp, at, stride_ym, 2 * t + 1, M, top1)
-        _fp8_mma_store(pp, at + 8, stride_ym, 2 * t, M, bot0)
-        _fp8_mma_store(pp, at + 8, stride_ym, 2 * t + 1, M, bot1)
+    dst = y_ptr if SPLIT == 1 else part_ptr + sk * stride_ps  # y, or this part's fp32 partials
+    _fp8_mma_store(dst, at, stride_ym, 2 * t, M, top0)
+    _fp8_mma_store(dst, at, stride_ym, 2 * t + 1, M, top1)
+    _fp8_mma_store(dst, at + 8, stride_ym, 2 * t, M, bot0)
+    _fp8_mma_store(dst, at + 8, stride_ym, 2 * t + 1, M, bot1)
+    if SPLIT > 1:
         tl.debug_barrier()
         lock_at = lock_ptr + c + tl.num_programs(0) * grp
         if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
