@@ -1638,6 +1638,207 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
             tl.atomic_xchg(lock_at, 0)
 
 
+@triton.jit
+def _ld16_early(ptr):
+    """`_ld16` kept where it stands, before a wait: ptxas sinks non-coherent (.nc) loads below a wait, to their
+    use, and an asm marked pure may be moved by the compiler."""
+    return tl.inline_asm_elementwise("ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_tile_load_early(wp, sp, n):
+    """`_mma_tile_load` with every load kept before a later wait."""
+    w0, w1, w2, w3 = _ld16_early(wp + n * 256)
+    w4, w5, w6, w7 = _ld16_early(wp + n * 256 + 128)
+    sv = tl.load((sp + n * 64).to(tl.pointer_type(tl.uint16), bitcast=True), volatile=True)
+    return w0, w1, w2, w3, w4, w5, w6, w7, sv & 0xFF, sv >> 8
+
+
+@triton.jit
+def _nanosleep(v):
+    return tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _fused_gu_item(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, ready_at, I, D, TOPK, limit, j, c, sk,
+                   HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """moe_mma_gate_up_kernel's program (c, j, sk) as a work item; the last K part of a tile also counts the tile
+    at ready_at (its chunk's finished channel tiles)."""
+    n_ct = I // 16
+    ktt = D // 128
+    kt = ktt // SPLIT
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt
+    wg = w_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    xp = x_ptr + ((j // TOPK).to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
+    x0, x1, x2, x3 = _mma_x(xp, part)
+    gt = tl.zeros((32,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    for i in range(kt):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        n = tl.minimum(i + 1, kt - 1)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+        gt += top
+        gb += bot
+        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+        ut += top
+        ub += bot
+    pp = part_ptr + (j * SPLIT + sk) * 2 * I + c * 16 + g
+    tl.store(pp, _quad_sum(gt), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(gb), mask=t == 0)
+    tl.store(pp + I, _quad_sum(ut), mask=t == 0)
+    tl.store(pp + I + 8, _quad_sum(ub), mask=t == 0)
+    tl.debug_barrier()
+    lock_at = lock_ptr + j * n_ct + c
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+        q = tl.arange(0, SPLITP)[:, None]
+        ch = c * 16 + tl.arange(0, 16)[None, :]
+        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
+        ok = q < SPLIT
+        gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_LIMIT:
+            gs = tl.minimum(gs, limit)
+            us = tl.minimum(tl.maximum(us, -limit), limit)
+        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0
+        hi = h.to(tl.bfloat16)
+        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+        tl.store(at, hi)
+        tl.store(at + 32, lo)
+        tl.atomic_xchg(lock_at, 0)
+        tl.debug_barrier()
+        tl.atomic_add(ready_at, 1, sem="release")
+
+
+@triton.jit
+def _fused_down_item(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, ready_at, D, I,
+                     TOPK, j, qc, rb, n_q, CT, KQ: tl.constexpr, RB: tl.constexpr, TOPKP: tl.constexpr,
+                     NQP: tl.constexpr, HAS_ADD: tl.constexpr):
+    """Down rows of RB row tiles from rb RB, over chunk qc's KQ K tiles of pair j: the weights load first, then the
+    item waits for the chunk's CT channel tiles of h; partials [pairs, n_q, D]; the last of a row tile's TOPK n_q
+    arrivals adds them (sum over chunks, then weighted over the token's pairs: fixed trees) plus add."""
+    n_rt = D // 16
+    ktt = I // 128
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    ws = ()
+    for rr in tl.static_range(RB):
+        tile0 = (e * n_rt + rb * RB + rr) * ktt + qc * KQ
+        for kk in tl.static_range(KQ):
+            ws = ws + (_mma_tile_load_early(w_ptr + (tile0 * 256 + lane * 4), s_ptr + (tile0 * 64 + lane * 2), kk),)
+    v = tl.atomic_add(ready_at, 0, sem="acquire")
+    while v < CT:
+        v = _nanosleep(v)
+        v = tl.atomic_add(ready_at, 0, sem="acquire")
+    hs = ()
+    for kk in tl.static_range(KQ):
+        hs = hs + (_mma_h(hb_ptr + (j * 2 * I + (qc * KQ + kk) * 256 + lane * 8)),)
+    tok = j // TOPK
+    for rr in tl.static_range(RB):
+        top = tl.zeros((32,), dtype=tl.float32)
+        bot = top
+        for kk in tl.static_range(KQ):
+            w = ws[rr * KQ + kk]
+            y = hs[kk]
+            p, q = _mma_tile(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], y[0], y[1], y[2], y[3], gg, w[8], w[9])
+            top += p
+            bot += q
+        r = rb * RB + rr
+        pp = part_ptr + (j * n_q + qc) * D + r * 16 + g
+        tl.store(pp, _quad_sum(top), mask=t == 0)
+        tl.store(pp + 8, _quad_sum(bot), mask=t == 0)
+        tl.debug_barrier()
+        lock_at = lock_ptr + tok * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * n_q - 1:
+            rows = r * 16 + tl.arange(0, 16)
+            slot = tl.arange(0, TOPKP)
+            jj = tok * TOPK + slot[:, None, None]
+            ss = tl.arange(0, NQP)[None, :, None]
+            ok = (slot[:, None, None] < TOPK) & (ss < n_q)
+            parts = tl.load(part_ptr + (jj * n_q + ss) * D + rows[None, None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
+            wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
+            tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+            out_at = tok.to(tl.int64) * D + rows
+            if HAS_ADD:
+                tot += tl.load(add_ptr + out_at).to(tl.float32)
+            tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
+def moe_mma_fused_kernel(x_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, gpart_ptr, glock_ptr, hb_ptr,
+                         dpart_ptr, dlock_ptr, ready_ptr, ticket_ptr, out_ptr, add_ptr, I, D, TOPK, P, limit, LAG,
+                         HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr, HAS_ADD: tl.constexpr,
+                         TOPKP: tl.constexpr, KQ: tl.constexpr, RB: tl.constexpr, NQP: tl.constexpr,
+                         GP: tl.constexpr):
+    """The few-token MXFP4 pair in one launch of persistent one-warp programs that take work items by ticket (an
+    integer atomic, so in order): per chunk of KQ x 128 channels of a pair, its gate/up items (moe_mma_gate_up's
+    programs), and LAG chunks later that chunk's down items, which load their weights and then wait for the
+    chunk's h. No deadlock: an item waits only on items of lower tickets, all taken by running programs that never
+    wait. The last program to leave resets the ticket and the chunk counters."""
+    n_q = I // (128 * KQ)
+    ct = 8 * KQ
+    n_gu = ct * SPLIT
+    n_d = (D // 16) // RB
+    G = P * n_q
+    R = n_gu + n_d
+    N = G * R
+    head = LAG * n_gu
+    tail0 = (G - LAG) * R
+    tk = tl.atomic_add(ticket_ptr, 1)
+    while tk < N:
+        u = tk - head
+        w = u % R
+        if tk < head:
+            is_gu = True
+            ch = tk // n_gu
+            i = tk % n_gu
+        elif u >= tail0:
+            is_gu = False
+            ch = G - LAG + (u - tail0) // n_d
+            i = (u - tail0) % n_d
+        elif w < n_gu:
+            is_gu = True
+            ch = u // R + LAG
+            i = w
+        else:
+            is_gu = False
+            ch = u // R
+            i = w - n_gu
+        j = ch // n_q
+        qc = ch % n_q
+        if is_gu:
+            _fused_gu_item(x_ptr, wgu_ptr, sgu_ptr, e_ptr, gpart_ptr, glock_ptr, hb_ptr, ready_ptr + ch, I, D, TOPK,
+                           limit, j, qc * ct + i // SPLIT, i % SPLIT, HAS_LIMIT, SPLIT, SPLITP)
+        else:
+            _fused_down_item(hb_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, dpart_ptr, dlock_ptr, out_ptr, add_ptr,
+                             ready_ptr + ch, D, I, TOPK, j, qc, i, n_q, ct, KQ, RB, TOPKP, NQP, HAS_ADD)
+        tk = tl.atomic_add(ticket_ptr, 1)
+    if tk == N + tl.num_programs(0) - 1:
+        gi = tl.arange(0, GP)
+        tl.store(ready_ptr + gi, tl.zeros((GP,), dtype=tl.int32), mask=gi < G)
+        tl.atomic_xchg(ticket_ptr, 0)
+
+
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
 # own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
 # block); its word i is mma step i's A registers (bytes 0-1: A columns 2t, 2t + 1; bytes 2-3: 2t + 8, 2t + 9), and its
