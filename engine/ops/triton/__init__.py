@@ -426,8 +426,6 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its launch and first loads overlap gate/up's
 # end (NOTES runs 63, 118).
 MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
-# Experiment: the pair in one launch (kernels.py `moe_mma_fused_kernel`).
-MOE_MMA_FUSED = {"on": False, "KQ": 2, "RB": 4, "LAG": 2, "WARPS_PER_SM": 16}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -517,32 +515,6 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     return c
 
 
-def _mma_fused(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, weights: torch.Tensor, plan: tuple,
-               limit: float, out: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
-    """The tensor-core pair in one launch (kernels.py `moe_mma_fused_kernel`): out = sum over each token's pairs of
-    weight x W2 swiglu(W1 x, W3 x) (+ add)."""
-    gw, gs, _ = _mma_weights(w1, w3)
-    dw, ds, _ = _mma_weights(w2)
-    f = MOE_MMA_FUSED
-    p, k, inter, d, split = plan[3].numel(), plan[-1], w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
-    n_q = inter // (128 * f["KQ"])
-    g = p * n_q
-    n_ct, n_rt, t = inter // 16, d // 16, x.shape[0]
-    locks = _locks(x.device, p * n_ct + t * n_rt + g + 1)
-    glock, dlock, ready, ticket = locks[:p * n_ct], locks[p * n_ct:p * n_ct + t * n_rt], \
-        locks[p * n_ct + t * n_rt:-1], locks[-1:]
-    hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
-    gpart = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
-    dpart = _empty(p, n_q, d, dtype=torch.float32, device=x.device)
-    progs = torch.cuda.get_device_properties(x.device).multi_processor_count * f["WARPS_PER_SM"]
-    _Launch(x)("moe_mma_fused_kernel", (progs,), x, gw, gs, dw, ds, plan[3], weights.contiguous().reshape(-1), gpart,
-               glock, hb, dpart, dlock, ready, ticket, out, out if add is None else add.contiguous(), inter, d, k, p,
-               float(limit or 0.0), min(f["LAG"], g), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split,
-               SPLITP=_pow2(split, 1), HAS_ADD=add is not None, TOPKP=_pow2(k, 1), KQ=f["KQ"], RB=f["RB"],
-               NQP=_pow2(n_q, 1), GP=_pow2(g, 1), num_warps=1)
-    return out
-
-
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
     tensor-core path (MOE_MMA) h is that kernel's [T*k, I / 128, 256] bf16 split form, which moe_down takes."""
@@ -613,11 +585,6 @@ def moe_experts(
     t, d = x.shape
     x = x.contiguous()
     plan = moe_prepare(x, idx, w1.data.shape[0])
-    if plan[0] == 1 and MOE_MMA_FUSED["on"] and _mma_on(x, w1.data.shape[1], plan[-1]):
-        if callable(shared):
-            shared = shared()
-        return _mma_fused(x, w1, w3, w2, weights, plan, limit, _empty(*x.shape, dtype=x.dtype, device=x.device),
-                          shared)
     h = moe_gate_up(x, w1, w3, plan, limit)
     if callable(shared):
         shared = shared()
