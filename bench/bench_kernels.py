@@ -350,11 +350,15 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
     configs = [cur()]
     if sweep:
         # the dot-free stream: E4M3 by the hardware conversion (HW) or the bit decode, tile and unroll
-        configs += [{"stream": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "UNROLL": un, "HW": hw}
-                    for bn, bk, nw, un, hw in ((16, 512, 4, 1, None), (64, 256, 8, 1, None), (32, 512, 8, 1, None),
-                                               (16, 1024, 8, 1, None), (64, 512, 8, 1, None), (8, 1024, 4, 1, None),
-                                               (32, 512, 4, 1, None), (16, 512, 4, 2, None),
-                                               (16, 512, 4, 1, False))]
+        # (LOCAL: the products each thread sums before its accumulator; 1 is the form before run 122)
+        configs += [{"stream": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "UNROLL": un, "HW": hw,
+                     "LOCAL": lc}
+                    for bn, bk, nw, un, hw, lc in ((32, 256, 4, 1, None, 16), (64, 256, 8, 1, None, 16),
+                                                   (16, 512, 4, 1, None, 16), (16, 256, 2, 1, None, 16),
+                                                   (8, 1024, 4, 1, None, 16), (32, 256, 4, 2, None, 16),
+                                                   (32, 256, 4, 1, False, 16), (64, 256, 8, 1, None, 1),
+                                                   (16, 512, 4, 1, None, 1), (32, 512, 8, 1, None, 1),
+                                                   (8, 1024, 4, 1, None, 1))]
         configs += [dot0]  # the old default: tensor cores, rows padded to 16
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
         # M=1 through the tensor-core kernel (rows padded to 16)
@@ -369,17 +373,19 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
         else:
             tri.FP8_DOT.update({k: v for k, v in cfg.items() if k != "dot"})
 
-    for cfg in configs:
-        apply(cfg)
-        try:
-            ms = time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
-        except Exception as exc:
-            print(f"fp8 cfg {cfg} failed: {exc!r}"[:300])
-            continue
-        frac = nbytes / (ms * 1e-3) / 1e12 / copy
-        print(f"fp8 wq_b M=1 cfg={cfg} {ms*1e3:8.1f} us frac={frac:.3f}", flush=True)
-        if best is None or ms < best[0]:
-            best = (ms, cfg, frac)
+    # two rounds, each config's best kept: the first configs timed in a run were up to 15% slow (runs 105, 127)
+    for _ in range(2 if sweep else 1):
+        for cfg in configs:
+            apply(cfg)
+            try:
+                ms = time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
+            except Exception as exc:
+                print(f"fp8 cfg {cfg} failed: {exc!r}"[:300])
+                continue
+            frac = nbytes / (ms * 1e-3) / 1e12 / copy
+            print(f"fp8 wq_b M=1 cfg={cfg} {ms*1e3:8.1f} us frac={frac:.3f}", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg, frac)
     apply(best[1])
     results["fp8_linear_m1_frac"] = best[2]
     results["fp8_linear"] = {"wq_b_M1": {"us": best[0] * 1e3, "bytes_MB": nbytes / 1e6, "frac": best[2],

@@ -6,6 +6,7 @@ stream reads faster the longer each row's contiguous run per step is (a loads-on
 per row per step, 0.80 at a whole 2 KB row), so the FP8 tiles here go up to BLOCK_K = 1024 (a whole wq_b row).
 
     python bench/probe_fp8.py [--out DIR]      # on the GPU machine (~1 min)
+    python bench/probe_fp8.py --shapes wq_b,wo_a --tiles 64,256,8,0,16,2 8,1024,4,0,16,1   # chosen shapes and tiles
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ import bench_kernels as B  # noqa: E402
 SHAPES = [("wq_a|wkv", 4096, 1024 + 512, 1), ("wq_b", 1024, 64 * 512, 1), ("wo_a", 4096, 1024, 8),
           ("wo_b", 8192, 4096, 1), ("shared w1|w3", 4096, 4096, 1), ("shared w2", 2048, 4096, 1),
           ("indexer wq_b", 1024, 64 * 128, 1)]
-TILES = [(64, 256, 8, False), (64, 256, 8, True), (8, 1024, 4, False), (16, 1024, 8, False), (4, 1024, 2, False),
-         (16, 512, 4, False), (8, 512, 2, False), (32, 512, 8, False), (8, 1024, 4, True), (16, 512, 4, True)]
+# (BLOCK_N, BLOCK_K, warps, PREFETCH, LOCAL[, UNROLL]): LOCAL > 1 sums each LOCAL adjacent products in the thread
+# each step
+TILES = [(64, 256, 8, False, 1), (64, 256, 8, True, 1), (8, 1024, 4, False, 1), (16, 1024, 8, False, 1),
+         (4, 1024, 2, False, 1), (16, 512, 4, False, 1), (8, 512, 2, False, 1), (32, 512, 8, False, 1),
+         (8, 1024, 4, True, 1), (16, 512, 4, True, 1)]
+TILES += [(bn, bk, nw, False, 16) for bn, bk, nw, pf, _ in TILES if not pf] + [(64, 256, 8, False, 4),
+                                                                            (128, 256, 8, False, 16)]
 
 
 def launched(bn: int, r: int, g: int) -> int:
@@ -39,22 +45,26 @@ def launched(bn: int, r: int, g: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
+    ap.add_argument("--tiles", nargs="*", help="BLOCK_N,BLOCK_K,warps,PREFETCH,LOCAL[,UNROLL] each (default: TILES)")
     a = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
     tri = B.tri
     copy = B.copy_tbps()
     saved, saved_m, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_MAX_M, tri.FP8_STREAM_LONG["min_k"]
     tri.FP8_STREAM_MAX_M = 1
     tri.FP8_STREAM_LONG["min_k"] = 1 << 62  # each tile below as given (FP8_STREAM_LONG would replace it at K >= 2048)
     runs = []
-    for name, k, r, g in SHAPES:
+    for name, k, r, g in [s for s in SHAPES if not a.shapes or s[0] in a.shapes.split(",")]:
         n = r * g
         copies = max(2, -(-240_000_000 // (n * k)))  # rotate over > 240 MB: four times the L2
         ws = [B.fp8_weight(n, k) for _ in range(copies)]
         xs = [torch.randn(1, g * k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = ws[0].nbytes() + g * k * 2 + n * 2
         want = B.ref.dequantize(ws[0], torch.float64)
-        for bn, bk, nw, pf in TILES:
-            tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=pf)
+        for bn, bk, nw, pf, local, *un in tiles:
+            unroll = un[0] if un else 1
+            tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=bool(pf), LOCAL=local, UNROLL=unroll)
             if g == 1:
                 fn = tri.linear
                 ref = (xs[0].double() @ want.T).flatten()
@@ -65,7 +75,8 @@ def main() -> None:
             err = ((y - ref).norm() / ref.norm()).item()
             ms = B.time_graph_ms(fn, list(zip(xs, ws, strict=True)))
             frac = nbytes / (ms * 1e-3) / 1e12 / copy
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "PREFETCH": pf, "rows_launched": launched(bn, r, g)}
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "PREFETCH": bool(pf), "LOCAL": local,
+                   "UNROLL": unroll, "rows_launched": launched(bn, r, g)}
             runs.append({"shape": name, "cfg": cfg, "us": ms * 1e3, "frac": frac, "rel_err": err})
             print(f"{name:13s} {cfg}  {ms * 1e3:7.2f} us  {frac:.3f} of copy  err {err:.1e}", flush=True)
     tri.FP8_STREAM.clear()

@@ -60,14 +60,19 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
 # prefetch: the register double-buffered stream (W as uint32 words; K = 298 is not a multiple of 4 and falls back;
 # its hardware conversion is inline PTX, so the interpreter runs the bit decode there). long: K counts as long
 # (FP8_STREAM_LONG's narrow row tiles, 4 x 256 in the interpreter: K = 600 is a split of 512 columns, 5 scale
-# blocks wide, and one of 88; 202 rows leave the last tile ragged).
+# blocks wide, and one of 88; 202 rows leave the last tile ragged). local: products summed in the thread before the
+# accumulator (FP8_STREAM's LOCAL, 16 by default; 1 and 4: one accumulator a product, or a word's four).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b,s,hw,unroll,prefetch,k,long", [
-    (1, 1, False, 1, False, 300, False), (1, 1, True, 2, False, 300, False), (1, 1, False, 1, True, 300, False),
-    (1, 1, False, 2, True, 300, False), (1, 1, False, 1, True, 298, False), (1, 3, False, 1, False, 300, False),
-    (2, 11, False, 1, False, 300, False), (1, 1, False, 1, False, 600, True), (1, 1, True, 1, False, 600, True),
-    (1, 1, False, 1, True, 600, True)])
-def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, monkeypatch):
+@pytest.mark.parametrize("b,s,hw,unroll,prefetch,k,long,local", [
+    (1, 1, False, 1, False, 300, False, 16), (1, 1, True, 2, False, 300, False, 16),
+    (1, 1, False, 1, True, 300, False, 16), (1, 1, False, 2, True, 300, False, 16),
+    (1, 1, False, 1, True, 298, False, 16), (1, 3, False, 1, False, 300, False, 16),
+    (2, 11, False, 1, False, 300, False, 16), (1, 1, False, 1, False, 600, True, 16),
+    (1, 1, True, 1, False, 600, True, 16), (1, 1, False, 1, True, 600, True, 16),
+    (1, 1, False, 1, False, 300, False, 1), (1, 1, False, 1, True, 300, False, 4),
+    (1, 1, True, 1, False, 600, True, 32)])
+def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, local, monkeypatch):
+    monkeypatch.setitem(tri.FP8_STREAM, "LOCAL", local)
     monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 512 if long else 1 << 30)
     monkeypatch.setitem(tri.FP8_STREAM, "HW", hw)
     monkeypatch.setitem(tri.FP8_STREAM, "UNROLL", unroll)

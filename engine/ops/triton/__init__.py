@@ -167,16 +167,22 @@ MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
 FP8_STREAM_MAX_M = 1
-# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0). It wins
-# on wq_b alone and loses in the slice, also when only unsplit launches prefetch (run 25).
-FP8_STREAM = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "UNROLL": 1, "HW": None,  # H200 runs 7-8
-              "PREFETCH": False}
+# PREFETCH: register double buffering of the next K tile (W then read as uint32 words; needs K % 4 == 0). It lost
+# in the slice (run 25) and, with LOCAL, on wq_b (run 125). LOCAL: each thread sums its LOCAL adjacent products of
+# a step before they reach the accumulator, which shrinks from [BLOCK_N, BLOCK_K] to [BLOCK_N, BLOCK_K / LOCAL]
+# (sm_90: the 64 x 256 tile 124 -> 64 registers, so all of wq_b's programs fit the SMs at once). The H200
+# (bench/probe_fp8.py, runs 122-125, and bench_kernels.py, run 128): wq_b 12.4 -> 10.4-10.8 us (0.73-0.76 of copy)
+# at 32 x 256 with 4 warps, which without LOCAL was not better than 64 x 256; the other FP8 shapes of the slice
+# 0.1-2.5 us faster.
+FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
+              "PREFETCH": False, "LOCAL": 16}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
 # the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
 # expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
 # -> 15.5). The numbers before are the default launch, whose 64-row tiles the two-programs-per-SM rule below
-# narrows to 16 on every shape but wq_b. Its other keys (UNROLL, PREFETCH, HW) come from FP8_STREAM. The CPU
-# interpreter's tile of the same shape class is 4 x 256.
+# narrows to 16 on every shape but wq_b. Its other keys (UNROLL, PREFETCH, HW, LOCAL) come from FP8_STREAM; with
+# LOCAL 16 (runs 124, 129): wo_a 12.8 -> 10.9-11.5 us, wo_b 12.3 -> 12.0. The CPU interpreter's tile of the same
+# shape class is 4 x 256.
 FP8_STREAM_LONG = {"min_k": 2048, "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 # MXFP4 MoE at one token: the dot-free stream (one pair per block, uint32-word decode) instead of MOE_DOT_M1.
 # PREFETCH: register double buffering of the next K step (None: on for CUDA, where it won on the H200, runs 15-16;
@@ -240,6 +246,8 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         if launch.cpu:
             c.update({"BLOCK_N": 4, "BLOCK_K": 256} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
+        if bk % c["LOCAL"] or c["LOCAL"] & (c["LOCAL"] - 1):
+            raise ValueError(f"FP8_STREAM LOCAL={c['LOCAL']}: must be a power of two dividing BLOCK_K={bk}")
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # narrow weights (e.g. the shared expert's 4096 rows): two programs per SM
@@ -263,7 +271,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
-               SPLITP=_pow2(split, 1), num_warps=c["num_warps"], **norm)
+               SPLITP=_pow2(split, 1), LOCAL=c["LOCAL"], num_warps=c["num_warps"], **norm)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT

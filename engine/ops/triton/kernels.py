@@ -184,7 +184,7 @@ def _split4(t):
 
 @triton.jit
 def _fp8_stream_fma_words(acc, w, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, LOCAL: tl.constexpr = 1):
     """acc[BN, BK / 4] += sum over the 4 bytes of each uint32 word of W * (x * block scale): four FMAs per word
     into one accumulator (a quarter of _fp8_stream_fma's registers). HW: _e4m3_word_cvt (GPU only: inline PTX);
     else the bit decode of each byte."""
@@ -197,17 +197,24 @@ def _fp8_stream_fma_words(acc, w, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr,
         v = _e4m3_word_cvt(w)
     else:
         v = (_e4m3_f32(w & 0xFF), _e4m3_f32((w >> 8) & 0xFF), _e4m3_f32((w >> 16) & 0xFF), _e4m3_f32(w >> 24))
-    for j in tl.static_range(4):
+    if LOCAL > 4:  # the word's four products, then LOCAL / 4 adjacent words, summed in the thread
         if UNIFORM:
-            acc += v[j] * xs[j][None, :]
+            t = v[0] * xs[0][None, :] + v[1] * xs[1][None, :] + v[2] * xs[2][None, :] + v[3] * xs[3][None, :]
         else:
-            acc += v[j] * xs[j]
+            t = v[0] * xs[0] + v[1] * xs[1] + v[2] * xs[2] + v[3] * xs[3]
+        acc += tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // LOCAL, LOCAL // 4)), axis=2)
+    else:
+        for j in tl.static_range(4):
+            if UNIFORM:
+                acc += v[j] * xs[j][None, :]
+            else:
+                acc += v[j] * xs[j]
     return acc
 
 
 @triton.jit
-def _fp8_stream_fma(acc, wb, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr):
-    """acc[BN, BK] += W * (x * block scale): one FMA per weight (wb: E4M3 bytes [BN, BK])."""
+def _fp8_stream_fma(acc, wb, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr, LOCAL: tl.constexpr = 1):
+    """acc[BN, BK / LOCAL] += W * (x * block scale), each LOCAL adjacent columns summed (wb: E4M3 bytes [BN, BK])."""
     x = x.to(tl.float32)
     if UNIFORM:
         xs = (x * _e8m0(s, 0))[None, :]
@@ -217,7 +224,11 @@ def _fp8_stream_fma(acc, wb, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr):
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         w = _e4m3_f32(wb)
-    return acc + w * xs
+    if LOCAL > 1:
+        acc += tl.sum(tl.reshape(w * xs, (wb.shape[0], wb.shape[1] // LOCAL, LOCAL)), axis=2)
+    else:
+        acc += w * xs
+    return acc
 
 
 @triton.jit
@@ -228,7 +239,7 @@ def fp8_stream_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
     UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False, SPLITP: tl.constexpr = 1,
     nw_ptr=None, x_eps=0.0, X_NORM: tl.constexpr = False, XP: tl.constexpr = 1, glu_limit=0.0,
-    X_GLU: tl.constexpr = 0,
+    X_GLU: tl.constexpr = 0, LOCAL: tl.constexpr = 1,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -265,9 +276,9 @@ def fp8_stream_kernel(
     s_tile = s_ptr + ((g * R + pid_n * BLOCK_N) // 128) * stride_sn  # UNIFORM: the tile's scale row
     s_rows = s_ptr + (rows // 128) * stride_sn
     if PREFETCH:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // max(4, LOCAL)), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
     k_lo = split * K_CHUNK
     k_end = K
     nw_base = nw_ptr
@@ -287,12 +298,12 @@ def fp8_stream_kernel(
             if PREFETCH:
                 nwb, nx, ns = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k + BLOCK_K, k_end, r_ok, BLOCK_K,
                                                UNIFORM, True, nw_base, xr, X_NORM, K, glu_limit, X_GLU)
-                acc = _fp8_stream_fma_words(acc, wb, x, s, HW, UNIFORM, BLOCK_N, BLOCK_K)
+                acc = _fp8_stream_fma_words(acc, wb, x, s, HW, UNIFORM, BLOCK_N, BLOCK_K, LOCAL)
                 wb, x, s = nwb, nx, ns
             else:
                 wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k, k_end, r_ok, BLOCK_K, UNIFORM, False,
                                             nw_base, xr, X_NORM, K, glu_limit, X_GLU)
-                acc = _fp8_stream_fma(acc, wb, x, s, HW, UNIFORM)
+                acc = _fp8_stream_fma(acc, wb, x, s, HW, UNIFORM, LOCAL)
     y = tl.sum(acc, axis=1)
     at = m * stride_ym + g * stride_yg + offs_r
     if SPLIT > 1:
@@ -1778,18 +1789,22 @@ _IDX = ("q_ptr k_ptr w_ptr o_ptr S H T D scale stride_qb stride_qs stride_qh str
 
 # (name, kernel, (signature, constexprs), num_warps, matmul)
 ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
-    ("fp8_stream", fp8_stream_kernel,
+    ("fp8_stream", fp8_stream_kernel,  # the default tile (FP8_STREAM)
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
+    ("fp8_stream_unroll", fp8_stream_kernel,  # two tiles a step, no in-thread sums
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
     ("fp8_stream_long", fp8_stream_kernel,  # FP8_STREAM_LONG: 8 rows x 1 KB a step (K >= 2048), split K
-     _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, LOCAL=16),
+     4, False),
     ("fp8_stream_xnorm", fp8_stream_kernel,  # wq_b's form: q_norm applied as x is read (the row's RMS first)
-     _sig(_FP8_STREAM_ARGS[0] + " nw_ptr x_eps", _FP8_STREAM_ARGS[1] + " *bf16 fp32", BLOCK_N=64, BLOCK_K=256,
-          HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, X_NORM=True, XP=1024), 8, False),
+     _sig(_FP8_STREAM_ARGS[0] + " nw_ptr x_eps", _FP8_STREAM_ARGS[1] + " *bf16 fp32", BLOCK_N=32, BLOCK_K=256,
+          HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, X_NORM=True, XP=1024, LOCAL=16), 4, False),
     ("fp8_stream_glu", fp8_stream_kernel,  # the shared expert's w2: swiglu(gate, up) applied as x is read
      _sig(_FP8_STREAM_ARGS[0] + " glu_limit", _FP8_STREAM_ARGS[1] + " fp32", BLOCK_N=8, BLOCK_K=1024,
-          HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, X_GLU=2), 4, False),
+          HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, X_GLU=2, LOCAL=16), 4, False),
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
-     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4, LOCAL=16),
+     4, False),
     ("fp8_matmul", fp8_matmul_kernel,
      _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
     ("moe_gate_up_dot", moe_gate_up_kernel,
@@ -1803,8 +1818,8 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, SUM=True, HAS_ADD=True, SPLITP=8), 4, False),
     ("fp8_stream_prefetch", fp8_stream_kernel,  # the default tile (FP8_STREAM), register double buffering
-     _sig(*_FP8_WORDS_ARGS, BLOCK_N=64, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True), 8,
-     False),
+     _sig(*_FP8_WORDS_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True,
+          LOCAL=16), 4, False),
     ("moe_gate_up_stream_prefetch", moe_gate_up_kernel,
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=16, GROUPS=8, STREAM=True, PREFETCH=True), 4, False),
@@ -1917,12 +1932,13 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
 # the inline-PTX E2M1 decode (PRMT) and the one-token tensor-core MXFP4 kernels (inline PTX mma.sync).
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
-     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=2, SPLIT=1), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
     ("fp8_stream_hw_long", fp8_stream_kernel,
-     _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=True, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2), 4, False),
+     _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=True, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, LOCAL=16),
+     4, False),
     ("fp8_stream_hw_prefetch", fp8_stream_kernel,
-     _sig(*_FP8_WORDS_ARGS, BLOCK_N=64, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True), 8,
-     False),
+     _sig(*_FP8_WORDS_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, PREFETCH=True,
+          LOCAL=16), 4, False),
     ("moe_gate_up_stream_prmt", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as it runs on sm_90
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
