@@ -275,8 +275,10 @@ def fp8_stream_kernel(
     x_base = x_ptr + m * stride_xm + g * stride_xg + tl.arange(0, BLOCK_K)
     s_tile = s_ptr + ((g * R + pid_n * BLOCK_N) // 128) * stride_sn  # UNIFORM: the tile's scale row
     s_rows = s_ptr + (rows // 128) * stride_sn
-    if PREFETCH:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // max(4, LOCAL)), dtype=tl.float32)
+    if PREFETCH and LOCAL > 4:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
+    elif PREFETCH:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
     k_lo = split * K_CHUNK
