@@ -244,9 +244,9 @@ def fp8_stream_kernel(
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
     Each program streams a [BLOCK_N, K] slab of W in [BLOCK_N, BLOCK_K] tiles into a [BLOCK_N, BLOCK_K / LOCAL]
-    fp32 accumulator: each thread first sums LOCAL adjacent products of a step (its own registers, no shuffles;
-    LOCAL = 1: one FMA per weight into a [BLOCK_N, BLOCK_K] accumulator), which frees the registers that let a
-    launch fit the SMs in one wave; the rows are summed across threads once at the end.
+    fp32 accumulator: LOCAL adjacent products of a step are summed first (within a thread where its 16-byte loads
+    hold them, as on sm_90; LOCAL = 1: one FMA per weight into a [BLOCK_N, BLOCK_K] accumulator), which frees the
+    registers that let a launch fit the SMs in one wave; the rows are summed across threads once at the end.
     The block scale multiplies x, not the weights: UNIFORM (every row of the tile in one 128-row scale block,
     set by the host) loads one scale per 128 columns; otherwise a per-(row, column) scale is applied.
     HW (sm_90): E4M3 -> fp32 by the hardware conversion (cvt.rn.f16x2.e4m3x2); else the exact bit decode
