@@ -352,7 +352,7 @@ def fp8_bench(results: dict, copy: float, sweep: bool) -> None:
         # the dot-free stream: E4M3 by the hardware conversion (HW) or the bit decode, tile and unroll
         # (LOCAL: the products each thread sums before its accumulator; 1 is the form before run 122)
         configs += [{"stream": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "UNROLL": un, "HW": hw,
-                     "LOCAL": lc}
+                     "PREFETCH": False, "LOCAL": lc}
                     for bn, bk, nw, un, hw, lc in ((32, 256, 4, 1, None, 16), (64, 256, 8, 1, None, 16),
                                                    (16, 512, 4, 1, None, 16), (16, 256, 2, 1, None, 16),
                                                    (8, 1024, 4, 1, None, 16), (32, 256, 4, 2, None, 16),

@@ -69,7 +69,8 @@ def fp4_weight(e: int, n: int, k: int, g: torch.Generator) -> QWeight:
     (1, 1, False, 1, True, 298, False, 16), (1, 3, False, 1, False, 300, False, 16),
     (2, 11, False, 1, False, 300, False, 16), (1, 1, False, 1, False, 600, True, 16),
     (1, 1, True, 1, False, 600, True, 16), (1, 1, False, 1, True, 600, True, 16),
-    (1, 1, False, 1, False, 300, False, 1), (1, 1, False, 1, True, 300, False, 4),
+    (1, 1, False, 1, False, 300, False, 1), (1, 1, False, 1, False, 300, False, 4),
+    (1, 1, False, 1, True, 300, False, 4), (1, 1, False, 1, True, 300, False, 32),
     (1, 1, True, 1, False, 600, True, 32)])
 def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, local, monkeypatch):
     monkeypatch.setitem(tri.FP8_STREAM, "LOCAL", local)
@@ -98,6 +99,27 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, local, monkeypat
             assert rel(got, tri.linear(tri.swiglu(gu[..., :k], gu[..., k:], limit), w)) <= TOL[torch.float32]
     both = tri.linear(gu, w, x_norm=(nw, 1e-6), glu=7.0)  # swiglu first, then the norm (one of them fused)
     assert rel(both, ref.linear(gu.double(), w, x_norm=(nw.double(), 1e-6), glu=7.0)) <= TOL[dtype]
+
+
+def test_fp8_stream_local_reaches_the_kernel(monkeypatch):
+    """LOCAL changes the order of the fp32 sums, so the bits of a float32 stream (K = 512: two 256-column steps of the
+    interpreter's long tile) differ between LOCAL 1 and 16 while both stay within float32's tolerance of float64;
+    a LOCAL that is no power of two dividing BLOCK_K is refused in one line."""
+    monkeypatch.setitem(tri.FP8_STREAM_LONG, "min_k", 256)
+    g = gen(7)
+    w = fp8_weight(64, 512, g)
+    x = torch.randn(1, 512, generator=g)
+    want = ref.linear(x.double(), w)
+    ys = {}
+    for local in (1, 16):
+        monkeypatch.setitem(tri.FP8_STREAM, "LOCAL", local)
+        ys[local] = tri.linear(x, w)
+        assert rel(ys[local], want) <= TOL[torch.float32]
+    assert not torch.equal(ys[1], ys[16])
+    for bad in (0, 3, 512):
+        monkeypatch.setitem(tri.FP8_STREAM, "LOCAL", bad)
+        with pytest.raises(ValueError, match="FP8_STREAM LOCAL"):
+            tri.linear(x, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -171,9 +171,9 @@ FP8_STREAM_MAX_M = 1
 # in the slice (run 25) and, with LOCAL, on wq_b (run 125). LOCAL: each thread sums its LOCAL adjacent products of
 # a step before they reach the accumulator, which shrinks from [BLOCK_N, BLOCK_K] to [BLOCK_N, BLOCK_K / LOCAL]
 # (sm_90: the 64 x 256 tile 124 -> 64 registers, so all of wq_b's programs fit the SMs at once). The H200
-# (bench/probe_fp8.py, runs 122-125, and bench_kernels.py, run 128): wq_b 12.4 -> 10.4-10.8 us (0.73-0.76 of copy)
-# at 32 x 256 with 4 warps, which without LOCAL was not better than 64 x 256; the other FP8 shapes of the slice
-# 0.1-2.5 us faster.
+# (bench/probe_fp8.py, runs 122-125, and bench_kernels.py, run 128): wq_b 12.2-12.6 -> 10.4-10.8 us (0.73-0.76 of
+# copy; a run's first timings can be 5-15% slower) at 32 x 256 with 4 warps, which without LOCAL was not better
+# than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster.
 FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
               "PREFETCH": False, "LOCAL": 16}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
@@ -246,8 +246,10 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         if launch.cpu:
             c.update({"BLOCK_N": 4, "BLOCK_K": 256} if long else {"BLOCK_N": 16, "BLOCK_K": 64})
         bn, bk = c["BLOCK_N"], c["BLOCK_K"]
-        if bk % c["LOCAL"] or c["LOCAL"] & (c["LOCAL"] - 1):
-            raise ValueError(f"FP8_STREAM LOCAL={c['LOCAL']}: must be a power of two dividing BLOCK_K={bk}")
+        local = c["LOCAL"]
+        if local < 1 or local & (local - 1) or bk % local:
+            raise ValueError(f"FP8_STREAM LOCAL={local}: must be a power of two dividing BLOCK_K={bk} (the CPU "
+                             f"interpreter's tiles are 64 or 256 wide)")
         hw = _hw_fp8(x) if c["HW"] is None else bool(c["HW"])
         while not launch.cpu and bn > 16 and triton_cdiv(r, bn) * m * g < MIN_PROGRAMS:
             bn //= 2  # narrow weights (e.g. the shared expert's 4096 rows): two programs per SM
@@ -271,7 +273,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
-               SPLITP=_pow2(split, 1), LOCAL=c["LOCAL"], num_warps=c["num_warps"], **norm)
+               SPLITP=_pow2(split, 1), LOCAL=local, num_warps=c["num_warps"], **norm)
     else:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT

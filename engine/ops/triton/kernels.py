@@ -186,7 +186,8 @@ def _split4(t):
 def _fp8_stream_fma_words(acc, w, x, s, HW: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, LOCAL: tl.constexpr = 1):
     """acc[BN, BK / 4] += sum over the 4 bytes of each uint32 word of W * (x * block scale): four FMAs per word
-    into one accumulator (a quarter of _fp8_stream_fma's registers). HW: _e4m3_word_cvt (GPU only: inline PTX);
+    into one accumulator (a quarter of _fp8_stream_fma's registers); LOCAL > 4: each word's four products and then
+    LOCAL / 4 adjacent words summed first, into acc[BN, BK / LOCAL]. HW: _e4m3_word_cvt (GPU only: inline PTX);
     else the bit decode of each byte."""
     w = w.to(tl.uint32, bitcast=True)
     if UNIFORM:
@@ -256,7 +257,8 @@ def fp8_stream_kernel(
     finish (`_split_sum`, SPLITP: SPLIT rounded up to a power of two), in the same launch.
     PREFETCH: register double buffering (Triton pipelines only loads that feed a tl.dot): the next tile's
     weights, x and scales are loaded before the current tile's FMAs and carried into the next step; w_ptr is then
-    a uint32 view of W (K a multiple of 4) and stride_wn counts words.
+    a uint32 view of W (K a multiple of 4) and stride_wn counts words; its accumulator is [BLOCK_N, BLOCK_K / 4]
+    for LOCAL <= 4.
     X_NORM (one group): x is first RMS-normed with the weight at nw_ptr (rms_norm's numerics): every program
     reads the whole row of x (XP: K rounded up to a power of two) for its inverse RMS, so the norm needs no
     launch of its own (q's norm before wq_b and the indexer's wq_b).
