@@ -23,17 +23,12 @@ import time
 import torch
 
 from cdna2_engine.checkpoint import tensor_specs
-from cdna2_engine.config import Config
+from cdna2_engine.config import FLASH_SLICE, Config
 from cdna2_engine.model import DecodeGraph, Model
 from cdna2_engine.ops import QWeight, get_ops
 from pytest_cdna2.compare import logit_metrics
 
-FLASH = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
-             qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
-             n_routed_experts=256, num_experts_per_tok=6, compress_ratios=[0, 4, 128, 4], num_hash_layers=1,
-             sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
-             rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                           "beta_fast": 32, "beta_slow": 1})
+FLASH = FLASH_SLICE
 SMALL = dict(FLASH, vocab_size=300, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
              q_lora_rank=64, o_groups=2, o_lora_rank=32, moe_intermediate_size=64, n_routed_experts=16,
              index_n_heads=16, index_head_dim=32, index_topk=8, sliding_window=16, hc_mult=2,

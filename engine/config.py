@@ -24,6 +24,15 @@ QUANTIZATION_CONFIG = {
     "expert_dtype": "fp4",
 }
 
+# V4-Flash's dimensions in four layers, one of each kind (a hash-routed sliding layer, CSA, HCA, CSA): the slice
+# bench/bench_slice.py times and the ISA tier's recorded launches (pytest_cdna2/isa.py) are made at.
+FLASH_SLICE = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+                   qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
+                   n_routed_experts=256, num_experts_per_tok=6, compress_ratios=[0, 4, 128, 4], num_hash_layers=1,
+                   sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+                   rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                                 "beta_fast": 32, "beta_slow": 1})
+
 
 class ConfigError(ValueError):
     """A config.json that is missing a field or disagrees with itself."""

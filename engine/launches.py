@@ -20,7 +20,8 @@ FREE = frozenset({
 })
 
 
-def _caller() -> str:
+def issuing_line() -> str:
+    """"file:line code" of the engine line (outside ops/triton) that issued the launch being made."""
     for fr in reversed(traceback.extract_stack()[:-2]):
         if "/engine/" in fr.filename and "/ops/triton/" not in fr.filename and not fr.filename.endswith("launches.py"):
             return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {(fr.line or '').strip()[:70]}"
@@ -37,7 +38,7 @@ class _TorchOps(TorchDispatchMode):
         name = func.overloadpacket.__name__.rstrip("_")
         same_dtype = name == "_to_copy" and args[0].dtype == kwargs.get("dtype", args[0].dtype)
         if not self.inside and name not in FREE and not same_dtype:
-            self.calls.append((f"aten.{name}", _caller()))
+            self.calls.append((f"aten.{name}", issuing_line()))
         return func(*args, **kwargs)
 
 
@@ -52,7 +53,7 @@ def count_launches(fn: Callable[[], object], run_kernels: bool = True) -> list[t
     launch = tri._Launch.__call__
 
     def counted(self, name, grid, *args, **kw):
-        calls.append((name, _caller()))
+        calls.append((name, issuing_line()))
         if run_kernels:
             mode.inside += 1
             try:

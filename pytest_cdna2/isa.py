@@ -18,12 +18,21 @@ kernel using 256 + 256 reports 512), so
 
 (LDS can lower it further: 64 KiB per CU shared by the workgroups on it; `waves_per_simd` reports the
 register limit only, `lds_bytes` is listed beside it.)
+
+Two sets are audited. `audit_all`: every kernel in kernels.ISA_SPECS at a representative tile, unspecialized
+(every variant, including ones no decode step launches). `audit_launches`: the launches the V4-Flash slice
+(config.FLASH_SLICE) makes in a prefill and decode steps, recorded with no GPU (`record_launches`) and
+specialized as Triton's JIT specializes them at launch (`specialize`): 16-byte aligned pointers and integers
+divisible by 16 are marked so and integers equal to 1 become constants, which decides vectorized loads, layouts
+and so registers (bench/NOTES.md entry 133: fp8_stream 145 VGPRs unspecialized, ~60 as launched).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 LDS_LIMIT = 65536
@@ -119,17 +128,23 @@ def triton_too_old() -> str | None:
 def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: dict[str, object],
                  num_warps: int, matmul: bool, target: tuple = GFX90A) -> KernelAudit:
     """Compile one kernel for `target` (a (backend, arch, warp_size) triple) and read its resources."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from cdna2_engine.ops.triton import COMPILE_OPTIONS
 
-    tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     signature, constexprs = with_defaults(fn, signature, constexprs)
+    return _compile_and_read(name, lambda: ASTSource(fn, signature, constexprs),
+                             {"num_warps": num_warps, **COMPILE_OPTIONS}, matmul, target)
+
+
+def _compile_and_read(name: str, source: Callable[[], object], options: dict, matmul: bool,
+                      target: tuple) -> KernelAudit:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    tname = str(target[1]) if target[0] == "hip" else f"sm_{target[1]}"
     try:
-        k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
-                           options={"num_warps": num_warps, **COMPILE_OPTIONS})
+        k = triton.compile(source(), target=GPUTarget(*target), options=options)
     except Exception as exc:  # the audit reports a failing compile instead of raising, its root cause first
         root = exc
         while root.__cause__ or root.__context__:
@@ -172,6 +187,136 @@ def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
     for name, fn, (sig, const), warps, matmul in getattr(kernels, "ISA_SPECS_SM90", []):
         if SM90 in targets:
             out.append(audit_kernel(name, fn, sig, const, warps, matmul, SM90))
+    return out
+
+
+@dataclass
+class Launch:
+    """One kernel launch as the engine issued it: the kernel's name in kernels.py, its arguments and options,
+    the engine line that issued it."""
+
+    kernel: str
+    args: tuple
+    kwargs: dict
+    where: str
+
+
+def _meta_weights(cfg: object) -> dict:
+    """The official checkpoint's tensors for `cfg` on the meta device: shapes and dtypes, no data."""
+    import torch
+
+    from cdna2_engine.checkpoint import tensor_specs
+    from cdna2_engine.ops import QWeight
+
+    def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    w = {}
+    for sp in tensor_specs(cfg):
+        if sp.kind == "fp8":
+            n, k = sp.shape
+            w[sp.name] = QWeight(empty((n, k), torch.float8_e4m3fn),
+                                 empty((-(-n // 128), -(-k // 128)), torch.float8_e8m0fnu), "fp8")
+        elif sp.kind == "mxfp4":
+            n, k = sp.shape
+            w[sp.name] = QWeight(empty((n, k // 2), torch.int8), empty((n, k // 32), torch.float8_e8m0fnu), "mxfp4")
+        elif sp.kind == "int32":
+            w[sp.name] = empty(sp.shape, torch.int32)
+        else:
+            t = empty(sp.shape, torch.bfloat16 if sp.kind == "bf16" else torch.float32)
+            w[sp.name] = QWeight(t, None, "dense") if sp.linear else t
+    return w
+
+
+@contextmanager
+def _dispatch_as(target: tuple, calls: list[Launch]) -> Iterator[None]:
+    """Launches record instead of running, and the two questions they ask of the device (`_cuda_cc`, `_rocm`)
+    are answered for `target`: a ROCm GPU for gfx90a, an sm_XY CUDA GPU for ("cuda", XY, 32)."""
+    from cdna2_engine.launches import issuing_line
+    from cdna2_engine.ops import triton as tri
+
+    cc = (target[1] // 10, target[1] % 10) if target[0] == "cuda" else (0, 0)
+    saved = tri._Launch.__call__, tri._cuda_cc, tri._rocm
+
+    def record(self: object, name: str, grid: tuple, *args: object, **kwargs: object) -> None:
+        calls.append(Launch(name, args, {**tri.COMPILE_OPTIONS, **kwargs}, issuing_line()))
+
+    tri._Launch.__call__, tri._cuda_cc, tri._rocm = record, lambda device: cc, lambda device: target[0] == "hip"
+    try:
+        yield
+    finally:
+        tri._Launch.__call__, tri._cuda_cc, tri._rocm = saved
+
+
+def record_launches(target: tuple = GFX90A, prompt: int = 256, batches: tuple[int, ...] = (1, 4)) -> list[Launch]:
+    """Every Triton launch of the V4-Flash slice's prefill of `prompt` tokens and one decode step at each batch,
+    as a `target` GPU would issue them, with no GPU and in seconds: the weights and activations are meta tensors
+    (shapes, strides and storage offsets, no data; a meta tensor's data_ptr is its byte offset, and real
+    allocations are 256-byte aligned, so alignment comes out as on a device) and the kernels are not run. The
+    default prompt passes the sliding window (128) and the HCA block (128), so every attention path launches."""
+    import torch
+
+    from cdna2_engine.config import FLASH_SLICE, Config
+    from cdna2_engine.model import Model
+    from cdna2_engine.ops import get_ops
+
+    cfg = Config(**FLASH_SLICE)
+    calls: list[Launch] = []
+    with torch.no_grad(), _dispatch_as(target, calls):
+        model = Model(cfg, _meta_weights(cfg), device=torch.device("meta"), dtype=torch.bfloat16,
+                      ops=get_ops("triton"))
+        for batch in batches:
+            ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
+            cache = model.new_cache()
+            model.step(ids, cache)
+            model.decode(ids[:, -1:], model.static_cache(cache, prompt + 2))
+    return calls
+
+
+def specialize(fn: object, args: tuple, kwargs: dict, target: tuple) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of a launch of JIT function `fn` on `target`, computed by the
+    binder Triton's JIT itself builds for a launch (runtime/jit.py, the same in Triton 3.5-3.9), so the
+    specialization is Triton's rule and not a copy of it; no device needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime import jit
+
+    backend = make_backend(GPUTarget(*target))
+    try:
+        binder = jit.create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    except (AttributeError, TypeError) as exc:
+        import triton
+
+        raise RuntimeError(f"Triton {triton.__version__}'s JIT binder changed ({exc}): pytest_cdna2/isa.py "
+                           "specialize() needs updating to it") from exc
+    return signature, constexprs, attrs, options.__dict__
+
+
+def audit_launches(target: tuple = GFX90A, calls: list[Launch] | None = None) -> list[KernelAudit]:
+    """Each distinct specialization among `calls` (default: `record_launches(target)`) compiled for `target`;
+    the audit's name is the kernel and the engine line of its first launch (#2, #3.. for other specializations
+    from the same line). MFMA is not required here (the
+    specs hold that rule; a launch does not say whether its kernel is a matmul)."""
+    from triton.compiler import ASTSource
+
+    from cdna2_engine.ops.triton import kernels
+
+    out, seen, names = [], set(), {}
+    for c in record_launches(target) if calls is None else calls:
+        fn = getattr(kernels, c.kernel)
+        signature, constexprs, attrs, options = specialize(fn, c.args, c.kwargs, target)
+        key = (c.kernel, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),
+               repr(sorted(attrs.items(), key=repr)), options["num_warps"], options["num_stages"])
+        if key in seen:
+            continue
+        seen.add(key)
+        name = f"{c.kernel.removesuffix('_kernel')} @ {c.where.split(' ')[0]}"
+        names[name] = names.get(name, 0) + 1
+        out.append(_compile_and_read(name if names[name] == 1 else f"{name} #{names[name]}",
+                                     lambda fn=fn, s=signature, k=constexprs, a=attrs: ASTSource(fn, s, k, a),
+                                     options, False, target))
     return out
 
 

@@ -120,3 +120,102 @@ def test_fma_contraction_is_pinned_in_launches_and_the_audit(monkeypatch):
     launch.mod, launch.cpu = type("M", (), {"k": Fake()})(), False
     launch("k", (1,), num_warps=4)
     assert seen == [{"enable_fp_fusion": True, "num_warps": 4}]
+
+
+def test_specialize_is_tritons_launch_rule():
+    """What a launch compiles: a 16-byte aligned pointer and an integer divisible by 16 are marked divisible, an
+    integer equal to 1 becomes a constant, others stay plain (Triton's JIT, runtime/jit.py), on both targets."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, n, m, one, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(a_ptr + i * n * m * one, i.to(tl.float32))
+
+    t = torch.empty(64, dtype=torch.float32, device="meta")
+    for target in (isa.GFX90A, isa.SM90):
+        sig, const, attrs, opts = isa.specialize(probe, (t, 32, 8, 1), {"BLOCK": 16, "num_warps": 2}, target)
+        assert sig == {"a_ptr": "*fp32", "n": "i32", "m": "i32", "one": "constexpr", "BLOCK": "constexpr"}
+        assert const == {(3,): 1, (4,): 16} and opts["num_warps"] == 2
+        assert ["tt.divisibility", 16] in attrs[(0,)] and attrs[(1,)] == [["tt.divisibility", 16]]
+        assert not attrs.get((2,))  # m = 8
+        _, _, attrs, _ = isa.specialize(probe, (t[1:], 8, 8, 2), {"BLOCK": 16}, target)  # 4 bytes in: not aligned
+        assert ["tt.divisibility", 16] not in attrs.get((0,), []) and not attrs.get((1,))
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, list]:
+    return {"gfx90a": isa.record_launches(isa.GFX90A), "sm_90": isa.record_launches(isa.SM90)}
+
+
+def test_launches_are_recorded_as_each_target_dispatches(recorded):
+    """The V4-Flash slice's launches, on meta tensors, take each target's paths: no PTX kernels and the E4M3 bit
+    decode for gfx90a, the tensor-core MXFP4/FP8 kernels and the hardware conversion for sm_90."""
+    import torch
+
+    rocm, cuda = recorded["gfx90a"], recorded["sm_90"]
+    for calls in (rocm, cuda):
+        assert all(a.device.type == "meta" for c in calls for a in c.args if isinstance(a, torch.Tensor))
+        assert all(c.where.startswith("model.py:") for c in calls)
+        assert {"fp8_stream_kernel", "moe_gate_up_kernel", "moe_down_kernel", "attention_kernel",
+                "attention_combine_kernel", "index_scores_kernel", "compress_pool_kernel", "route_kernel",
+                "hc_pre_kernel", "hc_post_kernel", "dense_mma_kernel"} <= {c.kernel for c in calls}
+    ptx_only = {"moe_mma_gate_up_kernel", "moe_mma_down_kernel", "fp8_mma_kernel"}
+    assert not ptx_only & {c.kernel for c in rocm} and ptx_only <= {c.kernel for c in cuda}
+    assert {c.kwargs["HW"] for c in rocm if c.kernel == "fp8_stream_kernel"} == {False}
+    assert {c.kwargs["HW"] for c in cuda if c.kernel == "fp8_stream_kernel"} == {True}
+    assert all(c.kwargs["num_warps"] >= 1 and c.kwargs["enable_fp_fusion"] for c in rocm)
+
+
+def test_v4_flash_launches_compile_clean_on_gfx90a(recorded):
+    """Every distinct launch, specialized as at launch time, compiles clean for gfx90a, and decode's one-token
+    FP8 stream is compiled for M = 1 (a constant), which the unspecialized spec is not."""
+    from cdna2_engine.ops.triton import kernels
+
+    audits = isa.audit_launches(isa.GFX90A, recorded["gfx90a"])
+    print("\n" + isa.report(audits))
+    bad = [f"{a.name}: {v}" for a in audits for v in a.violations()]
+    assert not bad, "\n".join(bad)
+    assert len({a.name for a in audits}) == len(audits) >= 40
+    assert all(a.scratch_bytes == 0 and 1 <= a.waves_per_simd <= 8 for a in audits)
+    stream = next(c for c in recorded["gfx90a"] if c.kernel == "fp8_stream_kernel")
+    sig, _, _, _ = isa.specialize(kernels.fp8_stream_kernel, stream.args, stream.kwargs, isa.GFX90A)
+    assert sig["M"] == "constexpr"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="compares with what the JIT compiled on a real launch: needs a GPU (run on the H200)")
+def test_specialize_matches_the_jits_own_compile_gpu(tmp_path):
+    """On a GPU, for every launch of a tiny model's prefill and decode, specialize() gives the signature,
+    constants and attributes of the kernel the JIT compiled and ran (odd tiny dims: a mix of marked and not)."""
+    import torch
+
+    import cdna2_engine
+    from cdna2_engine.ops import triton as tri
+
+    from tiny_configs import make_checkpoint, make_config
+
+    cfg = make_config("mixed")
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=3), dtype=torch.bfloat16, device="cuda",
+                                    backend="triton")
+    calls, launch = [], tri._Launch.__call__
+
+    def passthrough(self, name, grid, *args, **kwargs):
+        calls.append((name, grid, args, {**tri.COMPILE_OPTIONS, **kwargs}))
+        launch(self, name, grid, *args, **kwargs)
+
+    tri._Launch.__call__ = passthrough
+    try:
+        model.generate(torch.randint(0, cfg.vocab_size, (1, 40), device="cuda"), 3, graph=False)
+    finally:
+        tri._Launch.__call__ = launch
+    cc = torch.cuda.get_device_capability()
+    target = ("cuda", cc[0] * 10 + cc[1], 32)
+    assert len(calls) > 50
+    for name, grid, args, kwargs in calls:
+        fn = getattr(tri._compiled, name)
+        compiled = fn.warmup(*args, grid=grid, **kwargs).src  # the JIT's cached kernel for these arguments
+        sig, const, attrs, _ = isa.specialize(fn, args, kwargs, target)
+        assert (sig, const, attrs) == (compiled.signature, compiled.constants, compiled.attrs), name

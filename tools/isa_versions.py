@@ -2,7 +2,8 @@
 (`pip install --no-deps --target`) and every kernel compiled ahead of time for gfx90a and sm_90 in a subprocess
 (one process holds one triton). Register allocation differs between releases (NOTES run 100: a kernel that fit
 in 220 VGPRs with 3.9 spilled with 3.6), and the oldest release the kernels compile with is the engine's
-MIN_TRITON; this is how both were checked, with each release's own compile errors.
+MIN_TRITON; this is how both were checked, with each release's own compile errors. Both sets of the tier: the
+kernels' specs and the V4-Flash slice's recorded launches (pytest_cdna2/isa.py).
 
     python tools/isa_versions.py 3.5.1 3.6.0 3.9.0 [--cache DIR]
 """
@@ -21,8 +22,9 @@ AUDIT = """
 import json
 import triton
 from pytest_cdna2 import isa
+audits = isa.audit_all() + isa.audit_launches(isa.GFX90A) + isa.audit_launches(isa.SM90)
 rows = [{"name": a.name, "target": a.target, "ok": a.compiled and not a.violations(),
-         "why": ("; ".join(a.violations()) or a.error)[:300]} for a in isa.audit_all()]
+         "why": ("; ".join(a.violations()) or a.error)[:300]} for a in audits]
 print(json.dumps({"triton": triton.__version__, "audits": rows}))
 """
 

@@ -288,15 +288,21 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
 
 @functools.cache
 def _cuda_cc(device: torch.device) -> tuple[int, int]:
-    """The CUDA compute capability of a GPU device; (0, 0) on ROCm (no PTX there) and for other devices."""
+    """The CUDA compute capability of a GPU device; (0, 0) on ROCm (no PTX there) and for other devices.
+    With `_rocm`, the only two questions launches ask of the device (the ISA tier answers them for a target)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return (0, 0)
     return torch.cuda.get_device_capability(device)
 
 
+def _rocm(device: torch.device) -> bool:
+    """A ROCm (HIP) GPU: bf16 dots on MFMA, no PTX, no FP8 units."""
+    return device.type == "cuda" and torch.version.hip is not None
+
+
 def _ptx(t: torch.Tensor) -> bool:
     """Inline PTX can run: a CUDA (not ROCm) tensor."""
-    return t.device.type == "cuda" and torch.version.hip is None
+    return _cuda_cc(t.device) > (0, 0)
 
 
 def _hw_fp8(t: torch.Tensor) -> bool:
@@ -683,7 +689,7 @@ def _dense_mma_on(x2: torch.Tensor, wd: torch.Tensor) -> bool:
     m, k = x2.shape
     nar = DENSE_GEMV_NARROW
     return (bool(DENSE_MMA["on"]) and wd.dtype == torch.bfloat16 and x2.dtype in (torch.bfloat16, torch.float32)
-            and x2.device.type == "cuda" and (torch.version.hip is not None or _cuda_cc(x2.device) >= (8, 0))
+            and (_rocm(x2.device) or _cuda_cc(x2.device) >= (8, 0))
             and m >= 2 and m * (1 if x2.dtype == torch.bfloat16 else 4) <= DENSE_MMA["max_cols"]
             and (wd.shape[0] > nar["MAX_N"] or k > nar["MAX_K"]) and k % 8 == 0
             and wd.stride(-1) == 1 and wd.stride(0) % 8 == 0 and wd.data_ptr() % 16 == 0)
