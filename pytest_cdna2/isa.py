@@ -20,11 +20,12 @@ kernel using 256 + 256 reports 512), so
 register limit only, `lds_bytes` is listed beside it.)
 
 Two sets are audited. `audit_all`: every kernel in kernels.ISA_SPECS at a representative tile, unspecialized
-(every variant, including ones no decode step launches). `audit_launches`: the launches the V4-Flash slice
-(config.FLASH_SLICE) makes in a prefill and decode steps, recorded with no GPU (`record_launches`) and
-specialized as Triton's JIT specializes them at launch (`specialize`): 16-byte aligned pointers and integers
-divisible by 16 are marked so and integers equal to 1 become constants, which decides vectorized loads, layouts
-and so registers (bench/NOTES.md entry 133: fp8_stream 145 VGPRs unspecialized, ~60 as launched).
+(every variant, including ones no decode step launches; MFMA is required of the matmul specs). `audit_launches`:
+the launches the V4-Flash slice (config.FLASH_SLICE) makes in prefills of 256 and 257 tokens and a decode step
+at batch 1 and at batch 4 after each, recorded with no GPU (`record_launches`) and specialized as Triton's JIT
+specializes them at launch (`specialize`): 16-byte aligned pointers and integers divisible by 16 are marked so
+and integers equal to 1 become constants, which decides vectorized loads, layouts and so registers
+(bench/NOTES.md entry 134: the decode FP8 streams take 60-67 VGPRs as launched, 145 unspecialized).
 """
 
 from __future__ import annotations
@@ -248,12 +249,14 @@ def _dispatch_as(target: tuple, calls: list[Launch]) -> Iterator[None]:
         tri._Launch.__call__, tri._cuda_cc, tri._rocm = saved
 
 
-def record_launches(target: tuple = GFX90A, prompt: int = 256, batches: tuple[int, ...] = (1, 4)) -> list[Launch]:
-    """Every Triton launch of the V4-Flash slice's prefill of `prompt` tokens and one decode step at each batch,
-    as a `target` GPU would issue them, with no GPU and in seconds: the weights and activations are meta tensors
-    (shapes, strides and storage offsets, no data; a meta tensor's data_ptr is its byte offset, and real
+def record_launches(target: tuple = GFX90A, prompts: tuple[int, ...] = (256, 257),
+                    batches: tuple[int, ...] = (1, 4)) -> list[Launch]:
+    """Every Triton launch of the V4-Flash slice's prefill of each prompt length, then one decode step, at each
+    batch, as a `target` GPU would issue them, with no GPU and in seconds: the weights and activations are meta
+    tensors (shapes, strides and storage offsets, no data; a meta tensor's data_ptr is its byte offset, and real
     allocations are 256-byte aligned, so alignment comes out as on a device) and the kernels are not run. The
-    default prompt passes the sliding window (128) and the HCA block (128), so every attention path launches."""
+    prompts pass the sliding window (128) and the HCA block (128), so every attention path launches; one is a
+    multiple of 16 and one is not, as the lengths a prefill's arguments take their divisibility from."""
     import torch
 
     from cdna2_engine.config import FLASH_SLICE, Config
@@ -264,12 +267,13 @@ def record_launches(target: tuple = GFX90A, prompt: int = 256, batches: tuple[in
     calls: list[Launch] = []
     with torch.no_grad(), _dispatch_as(target, calls):
         model = Model(cfg, _meta_weights(cfg), device=torch.device("meta"), dtype=torch.bfloat16,
-                      ops=get_ops("triton"))
-        for batch in batches:
-            ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
-            cache = model.new_cache()
-            model.step(ids, cache)
-            model.decode(ids[:, -1:], model.static_cache(cache, prompt + 2))
+                      ops=get_ops("triton", reference_ops=[]))  # every op on its kernel, whatever the env says
+        for prompt in prompts:
+            for batch in batches:
+                ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
+                cache = model.new_cache()
+                model.step(ids, cache)
+                model.decode(ids[:, -1:], model.static_cache(cache, prompt + 2))
     return calls
 
 
@@ -277,20 +281,21 @@ def specialize(fn: object, args: tuple, kwargs: dict, target: tuple) -> tuple[di
     """(signature, constexprs, attrs, options) of a launch of JIT function `fn` on `target`, computed by the
     binder Triton's JIT itself builds for a launch (runtime/jit.py, the same in Triton 3.5-3.9), so the
     specialization is Triton's rule and not a copy of it; no device needed."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime import jit
 
     backend = make_backend(GPUTarget(*target))
-    try:
-        binder = jit.create_function_from_signature(fn.signature, fn.params, backend)
-        bound, spec, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    except (AttributeError, TypeError) as exc:
+    make, pack = getattr(jit, "create_function_from_signature", None), getattr(fn, "_pack_args", None)
+    if make is None or pack is None:
         import triton
 
-        raise RuntimeError(f"Triton {triton.__version__}'s JIT binder changed ({exc}): pytest_cdna2/isa.py "
-                           "specialize() needs updating to it") from exc
+        raise RuntimeError(f"Triton {triton.__version__}'s JIT binder is not where pytest_cdna2/isa.py specialize() "
+                           "looks for it (runtime/jit.py): specialize() needs updating to this Triton")
+    kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug}  # as JITFunction.run
+    bound, spec, options = make(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = pack(backend, kwargs, bound, spec, options)
     return signature, constexprs, attrs, options.__dict__
 
 
@@ -308,7 +313,7 @@ def audit_launches(target: tuple = GFX90A, calls: list[Launch] | None = None) ->
         fn = getattr(kernels, c.kernel)
         signature, constexprs, attrs, options = specialize(fn, c.args, c.kwargs, target)
         key = (c.kernel, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),
-               repr(sorted(attrs.items(), key=repr)), options["num_warps"], options["num_stages"])
+               repr(sorted(attrs.items(), key=repr)), repr(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)

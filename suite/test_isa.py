@@ -38,7 +38,7 @@ def test_kernel_compiles_clean(spec, target, record_property, cdna2_record):
 
 @pytest.mark.skipif(TOO_OLD is not None, reason="the Triton installed is too old: test_triton_compiles_these_kernels")
 def test_v4_flash_launches_compile_clean_on_gfx90a(record_property, cdna2_record):
-    """The V4-Flash slice's prefill (256 tokens) and decode steps (batch 1 and 4) as a ROCm device issues them,
+    """The V4-Flash slice's prefills (256, 257 tokens) and decode steps (batch 1 and 4) as a ROCm device issues them,
     recorded with no GPU (pytest_cdna2.isa.record_launches), each distinct launch compiled as the JIT compiles
     it. (sm_90's launch set: tools/isa_versions.py; on a Hopper the JIT compiles it at the first run anyway.)"""
     audits = audit_launches(GFX90A)
