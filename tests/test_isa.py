@@ -208,6 +208,8 @@ def test_v4_flash_launches_compile_clean_on_gfx90a(recorded):
     assert not bad, "\n".join(bad)
     assert {a.name.split(" @ ")[0] + "_kernel" for a in audits} == {c.kernel for c in recorded["gfx90a"]}
     assert all(a.vgpr and 1 <= a.waves_per_simd <= 8 for a in audits)
+    rope = [a for a in audits if a.name.startswith("rope @")]
+    assert rope and min(a.waves_per_simd for a in rope) >= 4  # prefill's q RoPE took 200-260 VGPRs (NOTES 137)
     stream = next(c for c in recorded["gfx90a"] if c.kernel == "fp8_stream_kernel")
     sig, _, _, _ = isa.specialize(kernels.fp8_stream_kernel, stream.args, stream.kwargs, isa.GFX90A)
     assert sig["M"] == "constexpr"

@@ -996,6 +996,14 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return _rope(x, cos, sin, 1.0, (weight, eps), ring)
 
 
+# At most this many head elements (BLOCK_H x BLOCK_D) a RoPE program. A prefill's 64 heads x 512 in one program
+# held [64, 512] fp32 rows: 200 VGPRs on gfx90a with Triton 3.9, 260 with 3.6 (AGPRs as spill room, all 64 KiB of
+# LDS, one wave a SIMD; the ISA tier's launch set), and on the H200 q's norm_rope at 256 positions took 124 us;
+# capped at 2048 (4 heads of 512) it takes 10.6 us (8192: 17.5, 4096: 12.9, 1024: 22.4; bench/probe_rope.py,
+# bench/NOTES.md entry 137) and 60 VGPRs on gfx90a.
+ROPE_TILE = 2048
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, norm: tuple | None = None,
           ring: tuple | None = None):
     b, s, h, d = x.shape
@@ -1004,9 +1012,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, no
     y = _empty(*xc.shape, dtype=xc.dtype, device=xc.device)
     c = cos.expand(b, s, half).contiguous()
     sn = sin.expand(b, s, half).contiguous()
-    bh = _pow2(h, 1)
-    while bh > 1 and b * s * triton_cdiv(h, bh) < MIN_PROGRAMS // 2:
-        bh //= 2  # a decode token: its heads over many programs
+    bh, bd = _pow2(h, 1), _pow2(max(d - 2 * half, 1), 1)
+    while bh > 1 and (b * s * triton_cdiv(h, bh) < MIN_PROGRAMS // 2 or bh * bd > ROPE_TILE):
+        bh //= 2  # a decode token: its heads over many programs; a prefill: a bounded tile
     w, eps = norm or (None, 0.0)
     kw = {}
     if ring is not None:
@@ -1014,7 +1022,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, no
         kw = dict(ring_ptr=keys, ok_ptr=ok.view(torch.uint8), pos_ptr=pos, W=keys.shape[1], stride_rb=keys.stride(0),
                   stride_rs=keys.stride(1), stride_ob=ok.stride(0), RING=True)
     _Launch(x)("rope_kernel", (b * s, triton_cdiv(h, bh)), xc, c, sn, y, xc if w is None else w.contiguous(), h, d,
-               half, sign, float(eps), BLOCK_H=bh, BLOCK_D=_pow2(max(d - 2 * half, 1), 1), BLOCK_R=_pow2(half, 1),
+               half, sign, float(eps), BLOCK_H=bh, BLOCK_D=bd, BLOCK_R=_pow2(half, 1),
                NORM=norm is not None, HAS_W=w is not None, num_warps=4, **kw)
     return y
 
