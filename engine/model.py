@@ -537,7 +537,7 @@ class Model:
         toks, logits, tapped = [], [], {t: [] for t in taps}
         ctx = _Ctx(None, False, tuple(taps))
         cache, sc, replay = self.new_cache(), None, None
-        out = self.step(input_ids, cache, ctx)[:, -1] if max_new_tokens else None
+        out = self.step(input_ids, cache, ctx, last_only=True)[:, -1] if max_new_tokens else None
         for n in range(max_new_tokens):
             ids = out.argmax(-1, keepdim=True)
             toks.append(ids)
@@ -578,14 +578,17 @@ class Model:
             raise ValueError(f"unknown tap(s) {bad}: use 'L.<{'|'.join(TAP_KINDS)}>' with L in 0..{last}")
 
     # ------------------------------------------------------------------------------------------ math
-    def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None) -> torch.Tensor:
-        """Run one chunk through the model, advancing `cache`; logits [B, S, vocab]."""
+    def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None, *,
+             last_only: bool = False) -> torch.Tensor:
+        """Run one chunk through the model, advancing `cache`; logits [B, S, vocab], or [B, 1, vocab] of the last
+        position with `last_only` (a prefill before decoding: the last layer's FFN, the mHC head and the vocab
+        head then run on that position alone, the cache being complete before them)."""
         ctx = ctx or _Ctx(None, False, ())
         ids = input_ids.to(self.device)
         pos = torch.arange(cache.pos, cache.pos + ids.shape[1], device=self.device)
         ctx.begin(cache.pos)
         cache.batch = ids.shape[0]
-        out = self._body(ids, ctx, lambda i, x: self.attn[i](x, cache.layers[i], pos, ctx))
+        out = self._body(ids, ctx, lambda i, x: self.attn[i](x, cache.layers[i], pos, ctx), last_only)
         cache.pos += ids.shape[1]
         return out
 
@@ -632,8 +635,9 @@ class Model:
         sc.host_pos += 1
         return out
 
-    def _body(self, ids: torch.Tensor, ctx: _Ctx, attend) -> torch.Tensor:
-        """Embedding, the layers (attention by `attend(layer, normed input)`), mHC head, final norm, head."""
+    def _body(self, ids: torch.Tensor, ctx: _Ctx, attend, last_only: bool = False) -> torch.Tensor:
+        """Embedding, the layers (attention by `attend(layer, normed input)`), mHC head, final norm, head;
+        `last_only`: from the last layer's FFN on, only the last position (nothing after it reads the others)."""
         cfg, w, ops = self.cfg, self.w, self.ops
         B, S = ids.shape
         x = torch.nn.functional.embedding(ids, w["embed.weight"]).to(self.dtype)
@@ -664,6 +668,9 @@ class Model:
             a = attend(i, xn)
             ctx.tap(f"{i}.attn_out", a)
             h, post, comb, xin, xn = pre(i, "ffn", h, (a, post, comb))
+            last = last_only and i + 1 == cfg.num_hidden_layers
+            if last:  # post and comb are still being made beside: cut after the join below
+                h, xin, xn, ids = (t[:, -1:] for t in (h, xin, xn, ids))
             ctx.tap(f"{i}.attn", h)
             ctx.tap(f"{i}.ffn_in", xin)
             f = self.moe[i](xn, ids, ctx)
@@ -672,7 +679,7 @@ class Model:
                 h, post, comb, xin, xn = pre(i + 1, "attn", h, (f, post, comb))
             else:
                 side.join()
-                h = ops.hc_post(f, h, post, comb)
+                h = ops.hc_post(f, h, *((post[:, -1:], comb[:, -1:]) if last else (post, comb)))
             ctx.tap(f"{i}.ffn", h)
         _, y = ops.hc_head(h, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.rms_norm_eps, cfg.hc_eps,
                            (w["norm.weight"], cfg.rms_norm_eps))

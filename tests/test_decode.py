@@ -87,6 +87,21 @@ def test_generate_is_greedy_over_incremental_steps(ckpt):
         assert torch.allclose(gen.taps[name], trace.taps[name][:, prompt.shape[1] - 1:], rtol=0, atol=1e-10)
 
 
+def test_last_only_prefill_gives_the_last_logits_and_the_same_cache(ckpt):
+    """`step(..., last_only=True)` (generate's prefill: the last layer's FFN and both heads on the last position
+    only) returns the full prefill's last logits, and leaves the cache as the full prefill does."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 133), generator=torch.Generator().manual_seed(21))
+    full_cache, last_cache = model.new_cache(), model.new_cache()
+    full = model.step(ids[:, :-1], full_cache)
+    last = model.step(ids[:, :-1], last_cache, last_only=True)
+    assert last.shape == (2, 1, cfg.vocab_size)
+    assert rel(last, full[:, -1:]).max() <= 1e-12
+    after_full, after_last = model.step(ids[:, -1:], full_cache), model.step(ids[:, -1:], last_cache)
+    assert torch.equal(after_full, after_last)  # the caches hold the same keys, entries and windows
+
+
 def test_batch_rows_are_independent(ckpt):
     path, cfg = ckpt
     model = cdna2_engine.load_model(path, dtype=torch.float64)
