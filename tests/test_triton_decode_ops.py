@@ -203,7 +203,9 @@ def test_hc_block_norm_where_the_streams_cancel(delta):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (4, 1100)])
-def test_hc_post(n, rows, d):
+@pytest.mark.parametrize("programs", [4096, 2])  # 2: several D blocks a program (STEPS, a prefill's form)
+def test_hc_post(n, rows, d, programs, monkeypatch):
+    monkeypatch.setattr(tri, "HC_POST_PROGRAMS", programs)
     g = torch.Generator().manual_seed(n * 100 + rows + d)
     h, out = torch.randn(rows, 1, n, d, generator=g), torch.randn(rows, 1, d, generator=g)
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
@@ -217,10 +219,12 @@ def test_hc_post(n, rows, d):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_hc_post_pre(n, rows, d, dtype):
+@pytest.mark.parametrize("programs", [4096, 2])  # 2: several D blocks a program (STEPS, a prefill's form)
+def test_hc_post_pre(n, rows, d, dtype, programs, monkeypatch):
     """A block's mHC post and the next block's pre in two launches (the post launch writes the next mix's
     partials from the streams as rounded to their dtype): the streams, input, normed input, and post and comb
-    from the sums, match the reference's composition."""
+    from the sums, match the reference's composition, with one D block a program and with several."""
+    monkeypatch.setattr(tri, "HC_POST_PROGRAMS", programs)
     g = torch.Generator().manual_seed(n * 7 + rows + d)
     h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
@@ -237,6 +241,29 @@ def test_hc_post_pre(n, rows, d, dtype):
     for a, b, t in zip(got, want, tols, strict=True):
         assert a.shape == b.shape
         assert rel(a, b) <= t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_pre_at_prefill_rows_on_a_gpu(dtype):
+    """A V4-Flash prefill's hc_post_pre (1024 rows, 4 streams of 4096: several D blocks a program) against
+    float64; bf16 streams are rounded before the next mix reads them (the CPU test's fp16 limits, loosened to
+    bf16's 2^-8: 3e-2 and 3e-3)."""
+    g = torch.Generator().manual_seed(31)
+    n, rows, d = 4, 1024, 4096
+    h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
+    post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
+    fn, base, scale, nw = _hc_case(g, n, d, dtype)
+    args = [t.cuda() for t in (out, h, post, comb, fn, base, scale)]
+    y, sums, x, xn = tri.hc_post_pre(*args, n, 1e-6, 1e-6, (nw.cuda(), 1e-5))
+    assert sums.shape[-2] < d // tri.HC_MIX_BLOCK_D  # the prefill form: fewer splits than D blocks
+    ry, rsums, rx, rxn = ref.hc_post_pre(*_f64(out, h, post, comb, fn, base, scale), n, 1e-6, 1e-6,
+                                         (nw.double(), 1e-5))
+    got = (y, x, xn, *tri.hc_weights(sums, args[5], args[6], n, d, 20, 1e-6, 1e-6, dtype))
+    want = (ry, rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
+    tols = (1e-5,) * 5 if dtype == torch.float32 else (3e-2, 3e-2, 3e-2, 3e-3, 3e-3)
+    for a, b, t in zip(got, want, tols, strict=True):
+        assert rel(a.cpu(), b) <= t
 
 
 @pytest.mark.parametrize("n", [2, 4])

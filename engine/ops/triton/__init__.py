@@ -834,6 +834,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
 HC_MIX_BLOCK_D = 32  # the mix's D blocks (hc_post_pre's and hc_mix_partial's): each streams its [MIX, n x 32] slice
+# hc_post(_pre) programs to aim for: beyond HC_POST_PROGRAMS / (D / block) rows (a prefill) a program takes several
+# D blocks in turn (STEPS), so 1024 rows are not 131k tiny programs and hc_pre adds 4 splits a row, not 128
+# (decode, up to 32 rows at V4-Flash's 128 mix blocks, is unchanged; bench/NOTES.md run 139)
+HC_POST_PROGRAMS = 4096
 # of fn (at 256, 16 programs streamed the 1.5 MB fn at 9.6 us a call, run 17; 128 programs took 2.3 us)
 
 
@@ -934,12 +938,14 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     mix = 0 if fn is None else fn.shape[0]
     bd = min(HC_BLOCK_D if not mix else HC_MIX_BLOCK_D, _pow2(d))
     blocks = triton_cdiv(d, bd)
+    steps = _pow2(triton_cdiv(blocks, max(1, HC_POST_PROGRAMS // rows)), 1)  # 1 up to HC_POST_PROGRAMS / blocks rows
+    blocks = triton_cdiv(blocks, steps)
     fn = y if fn is None else fn.float().contiguous()
     part = _empty(rows, blocks, mix + n * n, dtype=torch.float64, device=h.device) if mix else y
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
                y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,
-               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, num_warps=4)
+               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, STEPS=steps, num_warps=4)
     return y, (part if mix else None)
 
 

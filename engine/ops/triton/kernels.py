@@ -1329,39 +1329,47 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 @triton.jit
 def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
                    stride_y, stride_fn, stride_p, stride_hn, NP: tl.constexpr, BLOCK_D: tl.constexpr,
-                   MIXP: tl.constexpr = 1, PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False):
-    """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and one D block per
+                   MIXP: tl.constexpr = 1, PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False,
+                   STEPS: tl.constexpr = 1):
+    """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and STEPS D blocks per
     program; h [rows, N, D] (stream stride stride_hn: 0 for the first block's broadcast embedding) and y
-    contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input
+    contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input of a block
     (and fn's slice) is loaded before any arithmetic: a loop over j or k waited for one round trip per step.
-    MIX_NEXT (the op hc_post_pre): also the next hc_pre's split mix partials of this block, from y as rounded
-    to its dtype (what hc_pre would read): the dots with fn's MIX rows and the streams' Gram matrix, at
-    part[row, block, :MIX] and part[row, block, MIX:] (hc_mix_partial_kernel's layout, one split per block)."""
+    MIX_NEXT (the op hc_post_pre): also the next hc_pre's split mix partials of this program's blocks, from y as
+    rounded to its dtype (what hc_pre would read): the dots with fn's MIX rows (fp32 sums) and the streams' Gram
+    matrix (fp64), at part[row, split, :MIX] and part[row, split, MIX:] (hc_mix_partial_kernel's layout, one
+    split per program). STEPS > 1 (a prefill's many rows): fewer, longer programs, and fewer splits for hc_pre."""
     row = tl.program_id(0).to(tl.int64)
-    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     i = tl.arange(0, NP)
     ok = i < N
-    d_ok = rd < D
-    jd_ok = ok[:, None] & d_ok[None, :]
-    o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
+    m = tl.arange(0, MIXP)
+    m_ok = m < MIX
     post = tl.load(post_ptr + row * N + i, mask=ok, other=0.0)
     comb = tl.load(comb_ptr + row * N * N + i[:, None] * N + i[None, :], mask=ok[:, None] & ok[None, :], other=0.0)
-    hh = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=jd_ok, other=0.0).to(tl.float32)
+    dots = tl.zeros([MIXP, NP, BLOCK_D], dtype=tl.float32)
+    gram = tl.zeros([NP, NP, BLOCK_D], dtype=tl.float64)
+    for step in range(STEPS):
+        rd = (tl.program_id(1) * STEPS + step) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = rd < D
+        jd_ok = ok[:, None] & d_ok[None, :]
+        o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
+        hh = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=jd_ok,
+                     other=0.0).to(tl.float32)
+        if MIX_NEXT:
+            f = tl.load(fn_ptr + m[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
+                        mask=m_ok[:, None, None] & jd_ok[None, :, :], other=0.0)  # [MIX, k, d]
+        acc = post[:, None] * o[None, :] + tl.sum(comb[:, :, None] * hh[:, None, :], axis=0)  # [k, d]
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=jd_ok)
+        if MIX_NEXT:
+            yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
+            dots += f * yf[None, :, :]
+            yd = yf.to(tl.float64)
+            gram += yd[:, None, :] * yd[None, :, :]
     if MIX_NEXT:
-        m = tl.arange(0, MIXP)
-        m_ok = m < MIX
-        f = tl.load(fn_ptr + m[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
-                    mask=m_ok[:, None, None] & jd_ok[None, :, :], other=0.0)  # [MIX, k, d]
-    acc = post[:, None] * o[None, :] + tl.sum(comb[:, :, None] * hh[:, None, :], axis=0)  # [k, d]
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=jd_ok)
-    if MIX_NEXT:
-        yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
         at = part_ptr + row * stride_p + tl.program_id(1) * PW
-        tl.store(at + m, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1), mask=m_ok)
-        yd = yf.to(tl.float64)
-        tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(yd[:, None, :] * yd[None, :, :], axis=2),
-                 mask=ok[:, None] & ok[None, :])
+        tl.store(at + m, tl.sum(tl.sum(dots, axis=2), axis=1), mask=m_ok)
+        tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=ok[:, None] & ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
