@@ -584,6 +584,8 @@ class Model:
         position with `last_only` (a prefill before decoding: the last layer's FFN, the mHC head and the vocab
         head then run on that position alone, the cache being complete before them)."""
         ctx = ctx or _Ctx(None, False, ())
+        if last_only and (ctx._forced or ctx._record):
+            raise ValueError("step: last_only cannot force or record sparse selections (they cover every position)")
         ids = input_ids.to(self.device)
         pos = torch.arange(cache.pos, cache.pos + ids.shape[1], device=self.device)
         ctx.begin(cache.pos)

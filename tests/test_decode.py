@@ -100,6 +100,10 @@ def test_last_only_prefill_gives_the_last_logits_and_the_same_cache(ckpt):
     assert rel(last, full[:, -1:]).max() <= 1e-12
     after_full, after_last = model.step(ids[:, -1:], full_cache), model.step(ids[:, -1:], last_cache)
     assert torch.equal(after_full, after_last)  # the caches hold the same keys, entries and windows
+    from cdna2_engine.model import _Ctx
+
+    with pytest.raises(ValueError, match="last_only cannot force or record"):  # selections cover every position
+        model.step(ids, model.new_cache(), _Ctx(None, True, ()), last_only=True)
 
 
 def test_batch_rows_are_independent(ckpt):

@@ -203,7 +203,7 @@ def test_hc_block_norm_where_the_streams_cancel(delta):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (4, 1100)])
-@pytest.mark.parametrize("programs", [4096, 2])  # 2: several D blocks a program (STEPS, a prefill's form)
+@pytest.mark.parametrize("programs", [4096, 2, 8])  # 2, 8: several D blocks a program (STEPS, a prefill's form)
 def test_hc_post(n, rows, d, programs, monkeypatch):
     monkeypatch.setattr(tri, "HC_POST_PROGRAMS", programs)
     g = torch.Generator().manual_seed(n * 100 + rows + d)
@@ -219,7 +219,7 @@ def test_hc_post(n, rows, d, programs, monkeypatch):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("rows, d", [(1, 64), (3, 1100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("programs", [4096, 2])  # 2: several D blocks a program (STEPS, a prefill's form)
+@pytest.mark.parametrize("programs", [4096, 2, 24])  # 2, 24: several D blocks a program (STEPS), partial last
 def test_hc_post_pre(n, rows, d, dtype, programs, monkeypatch):
     """A block's mHC post and the next block's pre in two launches (the post launch writes the next mix's
     partials from the streams as rounded to their dtype): the streams, input, normed input, and post and comb

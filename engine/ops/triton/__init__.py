@@ -834,11 +834,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 HC_BLOCK_D = 256  # mHC's collapse/expand: D blocks per row (V4-Flash: 16 programs for one decode token)
 HC_MIX_BLOCK_D = 32  # the mix's D blocks (hc_post_pre's and hc_mix_partial's): each streams its [MIX, n x 32] slice
+# of fn (at 256, 16 programs streamed the 1.5 MB fn at 9.6 us a call, run 17; 128 programs took 2.3 us)
 # hc_post(_pre) programs to aim for: beyond HC_POST_PROGRAMS / (D / block) rows (a prefill) a program takes several
 # D blocks in turn (STEPS), so 1024 rows are not 131k tiny programs and hc_pre adds 4 splits a row, not 128
 # (decode, up to 32 rows at V4-Flash's 128 mix blocks, is unchanged; bench/NOTES.md run 139)
 HC_POST_PROGRAMS = 4096
-# of fn (at 256, 16 programs streamed the 1.5 MB fn at 9.6 us a call, run 17; 128 programs took 2.3 us)
 
 
 def _streams(h: torch.Tensor) -> torch.Tensor:
@@ -1002,7 +1002,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return _rope(x, cos, sin, 1.0, (weight, eps), ring)
 
 
-# At most this many head elements (BLOCK_H x BLOCK_D) a RoPE program. A prefill's 64 heads x 512 in one program
+# At most this many head elements outside the rotated pairs (BLOCK_H x BLOCK_D) a RoPE program (decode up to 16
+# tokens keeps its launches: their heads were already spread). A prefill's 64 heads x 512 in one program
 # held [64, 512] fp32 rows: 200 VGPRs on gfx90a with Triton 3.9, 260 with 3.6 (AGPRs as spill room, all 64 KiB of
 # LDS, one wave a SIMD; the ISA tier's launch set), and on the H200 q's norm_rope at 256 positions took 124 us;
 # capped at 2048 (4 heads of 512) it takes 10.6 us (8192: 17.5, 4096: 12.9, 1024: 22.4; bench/probe_rope.py,
