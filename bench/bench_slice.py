@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cdna2_engine.checkpoint import tensor_specs
+from cdna2_engine.checkpoint import stored_shapes, tensor_specs
 from cdna2_engine.config import FLASH_SLICE, Config
 from cdna2_engine.model import DecodeGraph, Model
 from cdna2_engine.ops import QWeight, get_ops
@@ -45,15 +45,15 @@ def random_packed(cfg: Config, device: torch.device, seed: int = 0) -> tuple[dic
 
     for sp in tensor_specs(cfg):
         if sp.kind == "fp8":
-            n, k = sp.shape
-            c = codes((n, k))
+            ws, ss = stored_shapes("fp8", sp.shape)
+            c = codes(ws)
             c[(c & 0x7F) == 0x7F] = 0x38  # no NaN codes
-            s = torch.full(((n + 127) // 128, (k + 127) // 128), 127 - 9, dtype=torch.uint8, device=device)
+            s = torch.full(ss, 127 - 9, dtype=torch.uint8, device=device)
             q = QWeight(c.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "fp8")
         elif sp.kind == "mxfp4":
-            n, k = sp.shape
-            s = torch.full((n, k // 32), 127 - 4, dtype=torch.uint8, device=device)
-            q = QWeight(codes((n, k // 2)).view(torch.int8), s.view(torch.float8_e8m0fnu), "mxfp4")
+            ws, ss = stored_shapes("mxfp4", sp.shape)
+            s = torch.full(ss, 127 - 4, dtype=torch.uint8, device=device)
+            q = QWeight(codes(ws).view(torch.int8), s.view(torch.float8_e8m0fnu), "mxfp4")
         elif sp.kind == "int32":
             q = torch.randint(0, cfg.n_routed_experts, sp.shape, generator=g, device=device, dtype=torch.int32)
         else:

@@ -321,6 +321,15 @@ def _read_plain(files: _Files, sp: Spec) -> torch.Tensor:
     return t.to(torch.int32) if sp.kind == "int32" else t
 
 
+def stored_shapes(kind: str, shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(weight, scale) shapes the official layout stores for a linear of logical [n, k]: FP8 codes [n, k] with a
+    UE8M0 scale per 128 x 128 block; MXFP4 two E2M1 codes a byte [n, k / 2] with a UE8M0 scale per 32."""
+    n, k = shape
+    if kind == "fp8":
+        return (n, k), (math.ceil(n / 128), math.ceil(k / 128))
+    return (n, k // 2), (n, k // 32)
+
+
 def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
     t = _need(files, sp.name)
     where = _where(files, sp.name)
@@ -345,13 +354,14 @@ def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
     elif (scale.view(torch.uint8) == 255).any():
         raise CheckpointError(f"{swhere} has NaN (0xFF) UE8M0 scales: the scales are corrupt")
     if t.dtype == torch.float8_e4m3fn:
-        kind, want_w, want_s = "fp8", (n, k), (math.ceil(n / 128), math.ceil(k / 128))
+        kind = "fp8"
     elif t.dtype in (torch.int8, torch.uint8):
-        kind, want_w, want_s = "mxfp4", (n, k // 2), (n, k // 32)
+        kind = "mxfp4"
         t = t.view(torch.int8)
     else:
         raise CheckpointError(f"{where} has dtype {t.dtype} beside a scale: expected float8_e4m3fn (FP8) or int8 "
                               "(packed MXFP4)")
+    want_w, want_s = stored_shapes(kind, sp.shape)
     if tuple(t.shape) != want_w:
         raise CheckpointError(f"{where} has shape {tuple(t.shape)}, {kind} of logical {sp.shape} stores {want_w}: "
                               "the config.json does not match these weights")

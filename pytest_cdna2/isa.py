@@ -206,7 +206,7 @@ def _meta_weights(cfg: object) -> dict:
     """The official checkpoint's tensors for `cfg` on the meta device: shapes and dtypes, no data."""
     import torch
 
-    from cdna2_engine.checkpoint import tensor_specs
+    from cdna2_engine.checkpoint import stored_shapes, tensor_specs
     from cdna2_engine.ops import QWeight
 
     def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -214,13 +214,10 @@ def _meta_weights(cfg: object) -> dict:
 
     w = {}
     for sp in tensor_specs(cfg):
-        if sp.kind == "fp8":
-            n, k = sp.shape
-            w[sp.name] = QWeight(empty((n, k), torch.float8_e4m3fn),
-                                 empty((-(-n // 128), -(-k // 128)), torch.float8_e8m0fnu), "fp8")
-        elif sp.kind == "mxfp4":
-            n, k = sp.shape
-            w[sp.name] = QWeight(empty((n, k // 2), torch.int8), empty((n, k // 32), torch.float8_e8m0fnu), "mxfp4")
+        if sp.kind in ("fp8", "mxfp4"):
+            ws, ss = stored_shapes(sp.kind, sp.shape)
+            codes = torch.float8_e4m3fn if sp.kind == "fp8" else torch.int8
+            w[sp.name] = QWeight(empty(ws, codes), empty(ss, torch.float8_e8m0fnu), sp.kind)
         elif sp.kind == "int32":
             w[sp.name] = empty(sp.shape, torch.int32)
         else:
