@@ -301,6 +301,26 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_skips_hidden_key_blocks(dtype, monkeypatch):
+    """Unsplit (a prefill): keys 32-63 (whole key blocks at the kernel's 16 or 32 keys a block) hidden from every
+    query hold NaN, and the output is the reference's over the other keys, so those blocks were never read (a
+    read block's hidden keys still meet the dot: 0 x NaN)."""
+    monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
+    b, s, h, d, ln = 2, 3, 5, 24, 96
+    g = gen(640)
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    kv = torch.randn(b, ln, d, generator=g).to(dtype)
+    sink = torch.randn(h, generator=g)
+    mask = torch.rand(b, s, ln, generator=g) > 0.3
+    mask[:, :, 32:64] = False
+    want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5)
+    kv[:, 32:64] = float("nan")
+    got = tri.attention(q, kv, sink, mask, d**-0.5)
+    assert not got.isnan().any()
+    assert rel(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,t", [(1, 1, 5, 37), (2, 3, 17, 40)])
 def test_index_scores(dtype, b, s, h, t):
     g = gen(700 + b + s + h)

@@ -1,0 +1,105 @@
+"""Attention at V4-Flash shapes (64 heads x 512, shared K = V) with the model's masks, GPU time per call: decode
+(one token; window 128 + a CSA layer's entries with 512 picked, at several contexts) and prefill (every
+position; window 128 + entries visible by position, all picked while fewer than 512). `--old FILE` times a
+second kernels module (e.g. `git show HEAD~1:engine/ops/triton/kernels.py > old.py`) beside the current one, in
+the same process, after checking both agree.
+
+    python bench/probe_attention.py [--old old.py] [--out DIR]      # on the GPU machine (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+
+import torch
+
+from cdna2_engine.ops import triton as tri
+
+H, D, WIN, RATIO, PICKS = 64, 512, 128, 4, 512
+
+
+def decode_case(ctx: int, g: torch.Generator) -> tuple:
+    """One token at position ctx - 1: a full window ring, then ctx / 4 CSA entries of which 512 are picked."""
+    t = ctx // RATIO
+    mask = torch.zeros(1, 1, WIN + t, dtype=torch.bool)
+    mask[..., :WIN] = True
+    mask[0, 0, WIN + torch.randperm(t, generator=g)[:min(PICKS, t)]] = True
+    return 1, WIN + t, mask
+
+
+def prefill_case(s: int, g: torch.Generator) -> tuple:
+    """Every position of an s-token prompt: keys are the prompt's then its s / 4 entries (model.py's masks)."""
+    pos = torch.arange(s)
+    win = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - WIN)
+    t = s // RATIO
+    ent = torch.arange(t)[None] < ((pos + 1) // RATIO)[:, None]
+    if t > PICKS:  # picks among the visible ones
+        ent &= torch.rand(s, t, generator=g) < PICKS / t
+    return s, s + t, torch.cat([win, ent], 1)[None]
+
+
+def gpu_us(fn, sets: int, reps: int = 20) -> float:
+    """Median per-call time of a CUDA graph holding one call per input set (rotated beyond the L2)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(sets):
+            fn(i)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / sets)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", help="a second kernels module to time beside the current one")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    mods = {"current": tri._compiled}
+    if a.old:
+        spec = importlib.util.spec_from_file_location("old_kernels", a.old)
+        mods["old"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods["old"])
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    cases = [(f"decode ctx {c}", decode_case(c, g)) for c in (1024, 8192, 65536)]
+    cases += [(f"prefill {s}", prefill_case(s, g)) for s in (256, 1024, 4096)]
+    rows = []
+    for name, (s, ln, mask) in cases:
+        sets = max(2, min(64, (200 << 20) // ((s * H + ln) * D * 2)))
+        q = [torch.randn(1, s, H, D, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
+        kv = [torch.randn(1, ln, D, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
+        sink = torch.randn(H, device=dev)
+        m = mask.to(dev)
+        row = {"case": name, "queries": s, "keys": ln, "visible_frac": round(float(mask.float().mean()), 4)}
+        outs = {}
+        for label, mod in mods.items():
+            tri._compiled = mod
+            try:
+                outs[label] = tri.attention(q[0], kv[0], sink, m, D**-0.5).float()
+                call = lambda i, q=q, kv=kv, sink=sink, m=m: tri.attention(q[i], kv[i], sink, m, D**-0.5)  # noqa: E731
+                row[f"{label}_us"] = round(gpu_us(call, sets), 2)
+            finally:
+                tri._compiled = mods["current"]
+        if "old" in outs:
+            row["max_diff"] = float((outs["old"] - outs["current"]).abs().max())
+        print(row, flush=True)
+        rows.append(row)
+    with open(os.path.join(a.out, "probe_attention.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
