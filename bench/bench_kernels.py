@@ -271,6 +271,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         c = {k: v for k, v in cfg.items() if k != "DOT"}
         tri.MOE_DOT.update(c)
         tri.MOE_DOT_M1.update(c)
+        tri.MOE_DOT_DOWN.clear()  # the swept tile for down too
 
     configs = [cfg_of()]
     if sweep:
@@ -288,7 +289,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     if all(c.get("STREAM") or c.get("MMA") for c in configs):  # the grouped form beside them at every T
         configs.append({"DOT": True, **tri.MOE_DOT_M1})
     saved = {name: dict(getattr(tri, name)) for name in ("MOE_PAIRS_MAX_T", "MOE_STREAM", "MOE_MMA", "MOE_DOT",
-                                                          "MOE_DOT_M1")}
+                                                          "MOE_DOT_M1", "MOE_DOT_DOWN")}
     tri.MOE_PAIRS_MAX_T.update(mma=64, stream=64)
     for t in MOE_TOKENS:
         sets = []

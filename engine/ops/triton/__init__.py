@@ -162,7 +162,11 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 4}  # tokens padded to 16- or 64-row blocks
+# Tokens padded to 16-, 32- or 64-row blocks (`moe_prepare`). The H200 at 256 / 1024 / 4096 tokens (bench/
+# probe_moe_prefill.py, NOTES run 144): gate/up 3 stages instead of 4, 2.06 / 2.55 / 6.36 -> 1.95 / 2.40 / 6.14 ms;
+# down's own 128 output columns a program, 1.26 / 1.90 / 3.87 -> 1.06 / 1.30 / 3.43 ms.
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 3}
+MOE_DOT_DOWN = {"BLOCK_N": 128}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 token, when the stream is off
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
@@ -413,7 +417,8 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
         # the expert ids as they are
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
         return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
-    bm = 16 if t * topk <= 16 * n_experts else 64
+    per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs:
+    bm = 16 if per_expert <= 16 else (32 if per_expert <= 32 else 64)  # 1024 tokens x 6 of 256: 32 (NOTES run 144)
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
 
@@ -431,7 +436,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
     if launch.cpu:
         c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1}
     else:
-        c = MOE_DOT_M1 if tokens == 1 else MOE_DOT
+        c = MOE_DOT_M1 if tokens == 1 else dict(MOE_DOT, **(MOE_DOT_DOWN if down else {}))
     return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot}
 
 
