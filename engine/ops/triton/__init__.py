@@ -160,7 +160,13 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # FP8 linear
 
 # Device tiles (tuned on the H200 by bench/bench_kernels.py; the CPU interpreter uses its own small ones).
-FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+# FP8_DOT: many tokens (a prefill) on tl.dot, BLOCK_M rows of x a program: 16, 32 or 64 by the rows, and on CUDA
+# BLOCK_M_CUDA beyond 64 (each program decodes its weight tile once for more rows). The H200 (bench/
+# probe_fp8_prefill.py, NOTES runs 148-149), the slice's 7 FP8 weights at 1024 / 4096 tokens: 1617 / 6050 us at
+# 64 x 128 x 128 -> 1189 / 4466 us at 128 x 128 x 64 (165-197 -> 235-267 TFLOP/s). On gfx90a, BLOCK_M stays 64
+# (untuned there; BLOCK_K 64 halves the tile's LDS from run 134's 64 KiB). The hardware E4M3 conversion was slower
+# than the bit decode in this kernel (409 against 382 us on wq_b at 1024 tokens).
+FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "BLOCK_M_CUDA": 128}
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
 # Tokens padded to 16-, 32- or 64-row blocks (`moe_prepare`). The H200 at 256 / 1024 / 4096 tokens (bench/
 # probe_moe_prefill.py, NOTES run 144): gate/up 3 stages instead of 4, 2.06 / 2.55 / 6.36 -> 1.95 / 2.40 / 6.14 ms;
@@ -279,8 +285,10 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
                SPLITP=_pow2(split, 1), LOCAL=local, num_warps=c["num_warps"], **norm)
     else:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        if m > 64 and _ptx(x):
+            bm = cfg["BLOCK_M_CUDA"]
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
             bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
