@@ -13,11 +13,14 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
+import sys
 
 import torch
 
-from cdna2_engine.ops import triton as tri
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_kernels as B  # noqa: E402
+
+tri = B.tri
 
 H, D, WIN, RATIO, PICKS = 64, 512, 128, 4, 512
 
@@ -40,25 +43,6 @@ def prefill_case(s: int, g: torch.Generator) -> tuple:
     if t > PICKS:  # picks among the visible ones
         ent &= torch.rand(s, t, generator=g) < PICKS / t
     return s, s + t, torch.cat([win, ent], 1)[None]
-
-
-def gpu_us(fn, sets: int, reps: int = 20) -> float:
-    """Median per-call time of a CUDA graph holding one call per input set (rotated beyond the L2)."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(sets):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / sets)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -89,8 +73,8 @@ def main() -> None:
             tri._compiled = mod
             try:
                 outs[label] = tri.attention(q[0], kv[0], sink, m, D**-0.5).float()
-                call = lambda i, q=q, kv=kv, sink=sink, m=m: tri.attention(q[i], kv[i], sink, m, D**-0.5)  # noqa: E731
-                row[f"{label}_us"] = round(gpu_us(call, sets), 2)
+                call = lambda q, kv, sink=sink, m=m: tri.attention(q, kv, sink, m, D**-0.5)  # noqa: E731
+                row[f"{label}_us"] = round(B.time_graph_ms(call, list(zip(q, kv, strict=True)), 20) * 1e3, 2)
             finally:
                 tri._compiled = mods["current"]
         if "old" in outs:
