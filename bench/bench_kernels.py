@@ -156,6 +156,13 @@ def check(results: dict, name: str, err: float, tol: float = 1e-2) -> None:
     print(f"check {name:40s} rel={err:.2e} tol={tol:g} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def exit_on_failed(results: dict) -> None:
+    """A probe's timings count only when its outputs were right: a non-zero exit names the failed checks."""
+    failed = [k for k, c in results["checks"].items() if not c["ok"]]
+    if failed:
+        sys.exit(f"{len(failed)} check(s) failed: {', '.join(failed)}")
+
+
 def correctness(results: dict, streams_only: bool = False) -> None:
     """Every kernel against the float64 reference (streams_only: the FP8 linears and the MoE only)."""
     # fp8 linear (wq_b) decode and prefill, grouped wo_a

@@ -2,7 +2,8 @@
 (one token; window 128 + a CSA layer's entries with 512 picked, at several contexts) and prefill (every
 position; window 128 + entries visible by position, all picked while fewer than 512). `--old FILE` times a
 second kernels module (e.g. `git show HEAD~1:engine/ops/triton/kernels.py > old.py`) beside the current one, in
-the same process, after checking both agree.
+the same process, and checks that both agree (rel. Frobenius <= 1e-2, bench_kernels.check: bf16 outputs; a
+non-zero exit names a failed case). The current kernel against float64 is the suite's and bench_kernels.py's.
 
     python bench/probe_attention.py [--old old.py] [--out DIR]      # on the GPU machine (~1 min)
 """
@@ -40,8 +41,9 @@ def prefill_case(s: int, g: torch.Generator) -> tuple:
     win = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - WIN)
     t = s // RATIO
     ent = torch.arange(t)[None] < ((pos + 1) // RATIO)[:, None]
-    if t > PICKS:  # picks among the visible ones
-        ent &= torch.rand(s, t, generator=g) < PICKS / t
+    if t > PICKS:  # each row keeps min(512, visible) of its visible entries, as the indexer's top-k does
+        score = torch.rand(s, t, generator=g).masked_fill(~ent, -1.0)
+        ent &= torch.zeros_like(ent).scatter_(1, score.topk(PICKS, dim=1).indices, True)
     return s, s + t, torch.cat([win, ent], 1)[None]
 
 
@@ -60,7 +62,7 @@ def main() -> None:
     dev = torch.device("cuda")
     cases = [(f"decode ctx {c}", decode_case(c, g)) for c in (1024, 8192, 65536)]
     cases += [(f"prefill {s}", prefill_case(s, g)) for s in (256, 1024, 4096)]
-    rows = []
+    rows, results = [], {"checks": {}}
     for name, (s, ln, mask) in cases:
         sets = max(2, min(64, (200 << 20) // ((s * H + ln) * D * 2)))
         q = [torch.randn(1, s, H, D, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
@@ -78,11 +80,13 @@ def main() -> None:
             finally:
                 tri._compiled = mods["current"]
         if "old" in outs:
-            row["max_diff"] = float((outs["old"] - outs["current"]).abs().max())
+            row["rel_old"] = float((outs["old"] - outs["current"]).norm() / outs["current"].norm())
+            B.check(results, name, row["rel_old"])
         print(row, flush=True)
         rows.append(row)
     with open(os.path.join(a.out, "probe_attention.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "checks": results["checks"]}, f, indent=1)
+    B.exit_on_failed(results)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The MXFP4 MoE at prefill sizes (tokens grouped by expert into tl.dot blocks): V4-Flash experts (256 x 2048 x
 4096, 6 a token, random routing), gate/up and down timed apart (CUDA graphs, events) for each MOE_DOT tile and row block
 given (a tile serves gate/up and down alike: MOE_DOT_DOWN is cleared for it), each variant's output checked
-against the first's (bf16 rounding). Each call reads every expert, 3.2 GB, far beyond the L2, so no input
-rotation is needed; the floors are the experts' bytes at the copy rate measured in the same run.
+against the first's (rel. Frobenius <= 1e-2, bench_kernels.check: bf16 rounding; the engine's default against
+float64 is the suite's and bench_kernels.py's; a non-zero exit names a failed variant). Each call reads every
+expert, 3.2 GB, far beyond the L2, so no input rotation is needed; the floors are the experts' bytes at the copy
+rate measured in the same run.
 
     python bench/probe_moe_prefill.py [--tokens 256 1024] [--tiles BM,BN,G,WARPS,STAGES ...] [--out DIR]
 """
@@ -30,13 +32,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=[256, 1024])
     ap.add_argument("--tiles", nargs="*", default=["0,64,2,4,3", "0,128,2,4,3", "0,64,2,4,4", "0,128,4,4,3",
                                                     "32,64,2,4,3"],
-                    help="BM (0: the engine's choice),BLOCK_N,GROUPS,num_warps,num_stages")
+                    help="BM (0: the engine's choice),BLOCK_N,GROUPS,num_warps,num_stages[,SWAP 0/1]")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     w1, w3, w2 = B.fp4_weight(E, I, D), B.fp4_weight(E, I, D), B.fp4_weight(E, D, I)
     expert_bytes = sum(w.data.numel() + w.scale.numel() for w in (w1, w3, w2)) // E
     copy_tbps = B.copy_tbps()
     rows, default, default_down = [], dict(tri.MOE_DOT), dict(tri.MOE_DOT_DOWN)
+    results = {"checks": {}}
     for t in a.tokens:
         x = (torch.randn(t, D, device="cuda") * 0.5).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(t)])
@@ -46,8 +49,9 @@ def main() -> None:
         floor_down = used * expert_bytes / 3 / copy_tbps / 1e9
         base = None
         for tile in a.tiles:
-            bm, bn, grp, nw, st = (int(v) for v in tile.split(","))
-            tri.MOE_DOT.update(BLOCK_N=bn, GROUPS=grp, num_warps=nw, num_stages=st)
+            bm, bn, grp, nw, st, *swap = (int(v) for v in tile.split(","))
+            tri.MOE_DOT.update(BLOCK_N=bn, GROUPS=grp, num_warps=nw, num_stages=st,
+                               SWAP=bool(swap[0]) if swap else default.get("SWAP", False))
             tri.MOE_DOT_DOWN.clear()  # the tile is down's too
             try:
                 plan = tri.moe_prepare(x, idx, E)
@@ -69,10 +73,13 @@ def main() -> None:
                    "down_ms": round(down_ms, 3), "gate_up_frac": round(floor_up / up_ms, 3),
                    "down_frac": round(floor_down / down_ms, 3),
                    "rel_vs_first": float((c - base).norm() / base.norm())}
+            B.check(results, f"{t} {tile}", row["rel_vs_first"])
             print(row, flush=True)
             rows.append(row)
     with open(os.path.join(a.out, "probe_moe_prefill.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy_tbps, "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy_tbps, "rows": rows,
+                   "checks": results["checks"]}, f, indent=1)
+    B.exit_on_failed(results)
 
 
 if __name__ == "__main__":

@@ -144,18 +144,19 @@ def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, long, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (40, 3, 7.0, "dot"),
-                          (70, 3, 0.0, "dot"), (1, 3, 7.0, "stream"),
+                          (70, 3, 0.0, "dot"), (120, 3, 7.0, "dot"), (40, 3, 7.0, "dot_noswap"), (1, 3, 7.0, "stream"),
                           (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch"), (4, 3, 7.0, "stream"),
                           (3, 2, 0.0, "stream_prefetch")])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
-    """variant: the tl.dot form (pair rows gathered into blocks of 16 rows, 32 at 40 tokens, 64 at 70) or the
-    dot-free stream, one program row per
+    """variant: the tl.dot form (pair rows gathered into blocks of 16 rows, 32 at 40 tokens, 64 at 70, 128 at 120;
+    its accumulator transposed (MOE_DOT SWAP) or, dot_noswap, not) or the dot-free stream, one program row per
     (token, slot) pair (for one token its down launch also sums the k rows, and the shared expert's output when
     given), also with register double buffering (the PRMT decode is inline PTX: GPU only, checked by
     bench_kernels.py)."""
     monkeypatch.setitem(tri.MOE_STREAM, "on", variant.startswith("stream"))
     monkeypatch.setitem(tri.MOE_STREAM, "PREFETCH", variant == "stream_prefetch")
+    monkeypatch.setitem(tri.MOE_DOT, "SWAP", variant != "dot_noswap")
     g = gen(300 + t)
     e, d, inter = 5, 96, 160
     w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)
@@ -170,8 +171,8 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
     assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, limit, shared)), "not bit-reproducible"
     assert not tri._locks(x.device, 0).any()
     assert (tri.moe_prepare(x, idx, e)[0] == 1) == variant.startswith("stream")  # the form named ran
-    if variant == "dot":
-        assert tri.moe_prepare(x, idx, e)[0] == (16 if t < 27 else 32 if t < 54 else 64)
+    if variant.startswith("dot"):
+        assert tri.moe_prepare(x, idx, e)[0] == (16 if t < 27 else 32 if t < 54 else 64 if t < 107 else 128)
 
 
 def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
@@ -184,8 +185,8 @@ def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
     assert (bm, k) == (1, 2) and tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
     assert blk_e.tolist() == idx[:4].reshape(-1).tolist() and (hi - lo).tolist() == [1] * 8
     assert tri.moe_prepare(x, idx, 4)[0] == 16
-    for t, bm in ((32, 16), (33, 32), (64, 32), (65, 64), (400, 64)):  # 4 experts, 2 a token: the block holds an
-        # expert's mean share of pairs (t / 2), up to 64 rows
+    for t, bm in ((32, 16), (33, 32), (64, 32), (65, 64), (128, 64), (129, 128), (400, 128)):  # 4 experts, 2 a
+        # token: the block holds an expert's mean share of pairs (t / 2), up to 128 rows
         assert tri.moe_prepare(torch.zeros(t, 8), torch.zeros(t, 2, dtype=torch.int64), 4)[0] == bm
 
 

@@ -168,11 +168,17 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # than the bit decode in this kernel (409 against 382 us on wq_b at 1024 tokens).
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "BLOCK_M_CUDA": 128}
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
-# Tokens padded to 16-, 32- or 64-row blocks (`moe_prepare`). The H200 at 256 / 1024 / 4096 tokens (bench/
-# probe_moe_prefill.py, NOTES run 144): gate/up 3 stages instead of 4, 2.06 / 2.55 / 6.36 -> 1.95 / 2.40 / 6.14 ms;
-# down's own 128 output columns a program, 1.26 / 1.90 / 3.87 -> 1.06 / 1.30 / 3.43 ms.
-MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 3}
-MOE_DOT_DOWN = {"BLOCK_N": 128}
+# Tokens padded to 16-, 32-, 64- or 128-row blocks (`moe_prepare`). The H200 (bench/probe_moe_prefill.py, NOTES runs
+# 144-153), gate/up + down ms at 256 / 1024 / 4096 tokens: 3.32 / 4.45 / 10.23 at 4 gate/up stages and 64 down
+# columns a program -> 3.01 / 3.70 / 9.57 at 3 stages and 128 columns (runs 144-145; 2.80 / 3.55 / 9.29 in run 152);
+# SWAP (acc^T = decoded tile @ x^T: on sm_90 the tile becomes wgmma's register operand instead of mma.sync's) and
+# 8-warp down programs -> 2.77 / 3.23 / 7.51 (runs 152-153); 128-row blocks from 4096 tokens -> 6.41 (8192: 13.0
+# -> 12.4; at 1024 tokens they take 3.64 ms for gate/up against 2.05 at 32 rows).
+MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 3, "SWAP": True, "BLOCK_M_MAX": 128}
+MOE_DOT_DOWN = {"BLOCK_N": 128, "num_warps": 8}
+# ROCm keeps run 145's forms (untuned there): the ISA tier puts SWAP's 128-row gate/up at 1 wave a SIMD (303 VGPRs +
+# 47 AGPRs) and its 128-row down's LDS at 64 KiB, against 2-3 waves for the 16-64-row forms.
+MOE_DOT_ROCM = {"SWAP": False, "BLOCK_M_MAX": 64, "num_warps": 4}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 token, when the stream is off
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
 # hardware conversion where the GPU has it (CUDA, sm_89+), the bit decode elsewhere (gfx90a); True/False force.
@@ -288,8 +294,10 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
         cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         if m > 64 and _ptx(x):
-            bm = cfg["BLOCK_M_CUDA"]
+            bm = cfg.get("BLOCK_M_CUDA", 64)
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        if 128 % bk:
+            raise ValueError(f"FP8_DOT BLOCK_K={bk} straddles the 128-column scale blocks: set it to 32, 64 or 128")
         while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
             bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
@@ -425,9 +433,15 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
         # the expert ids as they are
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
         return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
-    per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs:
-    bm = 16 if per_expert <= 16 else (32 if per_expert <= 32 else 64)  # 1024 tokens x 6 of 256: 32 (NOTES run 144)
+    per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs
+    cap = _moe_dot_tile(x.device, down=False)["BLOCK_M_MAX"]  # (1024 tokens x 6 of 256: 32; NOTES runs 144, 153)
+    bm = next(b for b in (16, 32, 64, 128) if per_expert <= b or b >= cap)
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
+
+
+def _moe_dot_tile(device: torch.device, down: bool) -> dict:
+    """MOE_DOT for gate/up or down on this device (the CPU interpreter takes MOE_DOT's SWAP and row cap)."""
+    return {**MOE_DOT, **(MOE_DOT_DOWN if down else {}), **(MOE_DOT_ROCM if _rocm(device) else {})}
 
 
 def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool = False) -> tuple[int, int, dict]:
@@ -442,10 +456,11 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
                                            "PRMT": bool(c["PRMT"]) and _ptx(x)}
     dot = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
     if launch.cpu:
-        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1}
+        c = {"BLOCK_N": 16, "GROUPS": 2, "num_warps": 4, "num_stages": 1, "SWAP": MOE_DOT.get("SWAP", False)}
     else:
-        c = MOE_DOT_M1 if tokens == 1 else dict(MOE_DOT, **(MOE_DOT_DOWN if down else {}))
-    return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot}
+        c = MOE_DOT_M1 if tokens == 1 else _moe_dot_tile(x.device, down)
+    return c["BLOCK_N"], c["GROUPS"], {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "DOT": dot,
+                                       "SWAP": bool(c.get("SWAP", False))}
 
 
 # MXFP4 at a few tokens on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`; one program row

@@ -338,12 +338,21 @@ def _mxfp4_load(w_base, s_base, g0, K, r_ok, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
-    """acc += x @ (decoded tile * group scales)^T; DOT: 0 fp32 IEEE, 1 bf16, 2 fp16 operands."""
+def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr,
+                    SWAP: tl.constexpr = False):
+    """acc += x @ (decoded tile * group scales)^T; DOT: 0 fp32 IEEE, 1 bf16, 2 fp16 operands. SWAP: acc is
+    [BLOCK_N, BLOCK_M] += tile @ x^T (the decoded tile the dot's register operand A, x the shared-memory B)."""
     w = tl.join(_e2m1_f32(wb), _e2m1_f32(wb >> 4))  # [BN, G, 16, 2]: elements 2j, 2j+1
     w = tl.reshape(w, (BLOCK_N, GROUPS, 32)) * sc[:, :, None]
     w = tl.reshape(w, (BLOCK_N, GROUPS * 32))
-    if DOT == 0:
+    if SWAP:
+        if DOT == 0:
+            acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
+        elif DOT == 1:
+            acc += tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)))
+        else:
+            acc += tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)))
+    elif DOT == 0:
         acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
     elif DOT == 1:
         acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
@@ -354,33 +363,40 @@ def _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
 
 @triton.jit
 def _mxfp4_tile_dot(w_base, s_base, x_base, K, r_ok, m_ok,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr,
+                    SWAP: tl.constexpr = False):
     """Tensor-core / MFMA form: the decoded tile times its group scales, cast to the dot dtype, fed to tl.dot
     against BLOCK_M (>= 16) gathered rows; fp32 accumulator."""
     offs_k = tl.arange(0, GROUPS * 32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, K // 32, GROUPS):
         wb, sc = _mxfp4_load(w_base, s_base, g0, K, r_ok, GROUPS)
         kk = g0 * 32 + offs_k
         x = tl.load(x_base[:, None] + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-        acc = _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N, GROUPS, DOT)
+        acc = _mxfp4_dot_step(acc, wb, sc, x, BLOCK_N, GROUPS, DOT, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
 @triton.jit
 def _mxfp4_pair_dot(w1_base, s1_base, w3_base, s3_base, x_base, K, r_ok, m_ok,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr,
+                    SWAP: tl.constexpr = False):
     """W1 x and W3 x in one K loop: both tiles' loads are issued together (twice the bytes in flight)."""
     offs_k = tl.arange(0, GROUPS * 32)
-    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, K // 32, GROUPS):
         wb1, sc1 = _mxfp4_load(w1_base, s1_base, g0, K, r_ok, GROUPS)
         wb3, sc3 = _mxfp4_load(w3_base, s3_base, g0, K, r_ok, GROUPS)
         kk = g0 * 32 + offs_k
         x = tl.load(x_base[:, None] + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-        g = _mxfp4_dot_step(g, wb1, sc1, x, BLOCK_N, GROUPS, DOT)
-        u = _mxfp4_dot_step(u, wb3, sc3, x, BLOCK_N, GROUPS, DOT)
+        g = _mxfp4_dot_step(g, wb1, sc1, x, BLOCK_N, GROUPS, DOT, SWAP)
+        u = _mxfp4_dot_step(u, wb3, sc3, x, BLOCK_N, GROUPS, DOT, SWAP)
+    if SWAP:
+        g = tl.trans(g)
+        u = tl.trans(u)
     return g, u
 
 
@@ -552,7 +568,7 @@ def moe_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     DOT: tl.constexpr = 1, STREAM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    PRMT: tl.constexpr = False,
+    PRMT: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):
     """h[pair] = swiglu(W1[e] x, W3[e] x) for one expert block x one tile of the I outputs (fp32 h).
     STREAM: one token, the dot-free stream (w*_ptr uint32 views; PREFETCH and PRMT as in _mxfp4_stream); else
@@ -579,7 +595,7 @@ def moe_gate_up_kernel(
             u = u1[None, :]
         else:
             g, u = _mxfp4_pair_dot(w1_ptr + w_off, s1_ptr + s_off, w3_ptr + w_off, s3_ptr + s_off, x_row, D,
-                                   r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+                                   r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT, SWAP)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -597,6 +613,7 @@ def moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT: tl.constexpr = 1,
     STREAM: tl.constexpr = False, SUM: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, PRMT: tl.constexpr = False, SPLITP: tl.constexpr = 1,
+    SWAP: tl.constexpr = False,
 ):
     """contrib[t*k + j] = weights[t, j] * W2[e] h[pair], in the pair's own row (summed in order later).
     STREAM, PREFETCH, PRMT as in moe_gate_up_kernel. SUM (one token, STREAM: block j is pair j): the last of
@@ -621,7 +638,7 @@ def moe_down_kernel(
                                   PRMT)
             y = y1[None, :]
         else:
-            y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT)
+            y = _mxfp4_tile_dot(w_at, s_at, h_row, I, r_ok, m_ok, BLOCK_M, BLOCK_N, GROUPS, DOT, SWAP)
         pid = tl.load(pair_id_ptr + pairs, mask=m_ok, other=0)
         wt = tl.load(pair_w_ptr + pid, mask=m_ok, other=0.0).to(tl.float32)
         if SUM:
@@ -1828,12 +1845,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4, LOCAL=16),
      4, False),
-    ("fp8_matmul", fp8_matmul_kernel,
-     _sig(*_FP8_ARGS, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, IEEE=False), 8, True),  # the H200-tuned tile
+    ("fp8_matmul", fp8_matmul_kernel,  # FP8_DOT as gfx90a runs a long prefill (64 rows a program)
+     _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8, True),
     ("moe_gate_up_dot", moe_gate_up_kernel,
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1), 4, True),
+    ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA from 4096 tokens: 128-row blocks, acc^T
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
+    ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN on CUDA from 4096 tokens (ROCm: MOE_DOT_ROCM)
+     _sig(*_MOE_DOWN, BLOCK_M=128, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=True), 8, True),
     ("moe_gate_up_stream", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as gfx90a runs it
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True), 2, False),
