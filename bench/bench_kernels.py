@@ -200,12 +200,12 @@ def correctness(results: dict, streams_only: bool = False) -> None:
     # MoE on 16 experts (the reference decodes each selected expert in float64)
     e = 16
     w1, w3, w2 = fp4_weight(e, INTER, HID), fp4_weight(e, INTER, HID), fp4_weight(e, HID, INTER)
-    for t in (1, 5, 64):
+    for t in (1, 5, 64) + (() if SMALL else (400,)):  # 400 tokens: 150 pairs an expert, 128-row blocks
         x = torch.randn(t, HID, device=DEV, dtype=ACT, generator=GEN)
         idx = torch.stack([torch.randperm(e, device=DEV, generator=GEN)[:TOPK] for _ in range(t)])
         wt = torch.rand(t, TOPK, device=DEV, generator=GEN)
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
-        saved_st, saved_mma = dict(tri.MOE_STREAM), dict(tri.MOE_MMA)
+        saved_st, saved_mma, saved_dot = dict(tri.MOE_STREAM), dict(tri.MOE_MMA), dict(tri.MOE_DOT)
         # the per-pair forms (up to MOE_PAIRS_MAX_T tokens): the stream, with register double buffering and/or the
         # inline-PTX E2M1 decode (CUDA only), and the tensor-core kernels (CUDA sm_80+, bf16: the stream in --small)
         # at two K splits
@@ -216,12 +216,15 @@ def correctness(results: dict, streams_only: bool = False) -> None:
                ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
                ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
                ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4))]
-        for variant, stream, mma in (one if t <= min(tri.MOE_PAIRS_MAX_T.values()) else []) + [("dot", {}, off)]:
-            tri.MOE_STREAM.update(saved_st, on=variant != "dot", **stream)
+        dots = [("dot", {}, off), ("dot noswap", {}, off)]  # the grouped tl.dot blocks, MOE_DOT's SWAP on and off
+        for variant, stream, mma in (one if t <= min(tri.MOE_PAIRS_MAX_T.values()) else []) + dots:
+            tri.MOE_STREAM.update(saved_st, on=not variant.startswith("dot"), **stream)
             tri.MOE_MMA.update(saved_mma, **mma)
+            tri.MOE_DOT.update(saved_dot, SWAP=saved_dot.get("SWAP", False) and variant != "dot noswap")
             check(results, f"moe_experts T={t} {variant}", rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want))
         tri.MOE_STREAM.update(saved_st)
         tri.MOE_MMA.update(saved_mma)
+        tri.MOE_DOT.update(saved_dot)
     if streams_only:
         return
     x = torch.randn(7, HID, device=DEV, dtype=ACT, generator=GEN)

@@ -152,7 +152,8 @@ def recorded() -> dict[str, list]:
 
 def test_launches_are_recorded_as_each_target_dispatches(recorded):
     """The V4-Flash slice's launches, on meta tensors, take each target's paths: no PTX kernels and the E4M3 bit
-    decode for gfx90a, the tensor-core MXFP4/FP8 kernels and the hardware conversion for sm_90."""
+    decode for gfx90a, the tensor-core MXFP4/FP8 kernels and the hardware conversion for sm_90; a prefill's MoE
+    dots and mix dots in each target's tiles (MOE_DOT / MOE_DOT_ROCM, HC_MIX_DOT / HC_MIX_DOT_ROCM)."""
     import torch
 
     rocm, cuda = recorded["gfx90a"], recorded["sm_90"]
@@ -167,6 +168,12 @@ def test_launches_are_recorded_as_each_target_dispatches(recorded):
     assert {c.kwargs["HW"] for c in rocm if c.kernel == "fp8_stream_kernel"} == {False}
     assert {c.kwargs["HW"] for c in cuda if c.kernel == "fp8_stream_kernel"} == {True}
     assert all(c.kwargs["num_warps"] >= 1 and c.kwargs["enable_fp_fusion"] for c in rocm)
+
+    def kw(calls, kernel, key):  # the values `key` takes in the launches of `kernel` that pass it
+        return {c.kwargs[key] for c in calls if c.kernel == kernel and key in c.kwargs}
+
+    assert kw(rocm, "moe_down_kernel", "SWAP") == {False} and kw(cuda, "moe_down_kernel", "SWAP") == {True}
+    assert kw(rocm, "hc_mix_dot_kernel", "BLOCK_K") == {64} and kw(cuda, "hc_mix_dot_kernel", "BLOCK_K") == {128}
 
 
 def test_inline_ptx_follows_the_target(monkeypatch):

@@ -243,10 +243,58 @@ def test_hc_post_pre(n, rows, d, dtype, programs, monkeypatch):
         assert rel(a, b) <= t
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("programs", [4096, 60])  # 60: 4 D blocks a program, so 4 per split
+def test_hc_mix_dots_at_many_rows(n, dtype, programs, monkeypatch):
+    """From HC_MIX_DOT's min_rows (lowered here to reach it at CPU sizes) the mix's dots come from
+    hc_mix_dot_kernel, BLOCK_M rows sharing each fn tile, and the row launches keep the Gram matrix: hc_pre
+    (streams, and the first block's broadcast embedding) and hc_post_pre against float64 at the row form's
+    tolerances, and their sums within fp32 rounding (1e-6) of the row form's own."""
+    monkeypatch.setattr(tri, "HC_POST_PROGRAMS", programs)
+    monkeypatch.setitem(tri.HC_MIX_DOT, "BLOCK_M", 16)
+    g = torch.Generator().manual_seed(n * 5 + programs)
+    rows, d = 20, 300  # two row blocks, the second ragged; d ragged for BLOCK_K (64), split over D
+    h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
+    post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
+    fn, base, scale, nw = _hc_case(g, n, d, dtype)
+    tols = (1e-5,) * 5 if dtype == torch.float32 else (1e-2, 1e-2, 1e-2, 1e-3, 1e-3)  # as test_hc_post_pre's
+    emb = h[:, :, :1].expand(rows, 1, n, d)
+    launched = []
+    dot_launch = tri._hc_mix_dot
+    monkeypatch.setattr(tri, "_hc_mix_dot", lambda *a: (launched.append(a[2].shape), dot_launch(*a))[1])
+
+    def both(op, *args):  # (dot form, row form)
+        monkeypatch.setitem(tri.HC_MIX_DOT, "min_rows", 1)
+        dot = op(*args)
+        monkeypatch.setitem(tri.HC_MIX_DOT, "min_rows", 1 << 30)
+        return dot, op(*args)
+
+    for streams in (h, emb):
+        (sums, x, xn), (rsums_rows, _, _) = both(tri.hc_pre, streams, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-5))
+        assert rel(sums, rsums_rows) <= 1e-6
+        rsums, rx, rxn = ref.hc_pre(*_f64(streams, fn, base, scale), n, 1e-6, 1e-6, (nw.double(), 1e-5))
+        got = (x, xn, *tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, dtype))
+        want = (rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
+        for a, b, t in zip(got, want, tols[1:], strict=True):
+            assert rel(a, b) <= t
+    (y, sums, x, xn), (_, sums_rows, _, _) = both(tri.hc_post_pre, out, h, post, comb, fn, base, scale, n, 1e-6,
+                                                  1e-6, (nw, 1e-5))
+    assert sums.shape[-2] == sums_rows.shape[-2] and rel(sums, sums_rows) <= 1e-6
+    ry, rsums, rx, rxn = ref.hc_post_pre(*_f64(out, h, post, comb, fn, base, scale), n, 1e-6, 1e-6,
+                                         (nw.double(), 1e-5))
+    got = (y, x, xn, *tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, dtype))
+    want = (ry, rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
+    for a, b, t in zip(got, want, tols, strict=True):
+        assert rel(a, b) <= t
+    assert len(launched) == 3  # the dot form ran in each op's first call, not in the row form's
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_pre_at_prefill_rows_on_a_gpu(dtype):
-    """A V4-Flash prefill's hc_post_pre (1024 rows, 4 streams of 4096: several D blocks a program) against
+    """A V4-Flash prefill's hc_post_pre (1024 rows, 4 streams of 4096: several D blocks a program, the mix's dots
+    by hc_mix_dot_kernel) against
     float64; bf16 streams are rounded before the next mix reads them (the CPU test's fp16 limits, loosened to
     bf16's 2^-8: 3e-2 and 3e-3)."""
     g = torch.Generator().manual_seed(31)

@@ -144,7 +144,8 @@ def test_fp8_grouped_linear(dtype, b, s, hw, prefetch, long, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "t,k,limit,variant", [(1, 2, 7.0, "dot"), (3, 3, 0.0, "dot"), (9, 3, 1.5, "dot"), (40, 3, 7.0, "dot"),
-                          (70, 3, 0.0, "dot"), (120, 3, 7.0, "dot"), (40, 3, 7.0, "dot_noswap"), (1, 3, 7.0, "stream"),
+                          (70, 3, 0.0, "dot"), (120, 3, 7.0, "dot"), (40, 3, 7.0, "dot_noswap"),
+                          (70, 3, 0.0, "dot_noswap"), (1, 3, 7.0, "stream"),
                           (1, 2, 0.0, "stream"), (1, 3, 7.0, "stream_prefetch"), (4, 3, 7.0, "stream"),
                           (3, 2, 0.0, "stream_prefetch")])
 @pytest.mark.parametrize("with_shared", [False, True])
@@ -172,7 +173,37 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
     assert not tri._locks(x.device, 0).any()
     assert (tri.moe_prepare(x, idx, e)[0] == 1) == variant.startswith("stream")  # the form named ran
     if variant.startswith("dot"):
-        assert tri.moe_prepare(x, idx, e)[0] == (16 if t < 27 else 32 if t < 54 else 64 if t < 107 else 128)
+        bm = tri.moe_prepare(x, idx, e)[0]
+        assert bm == (16 if t < 27 else 32 if t < 54 else 64 if t < 107 else 128)
+        assert tri._moe_cfg(tri._Launch(x), x, bm, t)[2]["SWAP"] == (variant == "dot")
+
+
+def test_moe_dot_tiles_on_rocm(monkeypatch):
+    """ROCm takes MOE_DOT_ROCM over MOE_DOT (no SWAP, 64-row blocks at most, 4-warp down: the forms whose gfx90a
+    ISA holds 2-3 waves); a BLOCK_M_MAX that is not a row block is a ValueError naming it."""
+    monkeypatch.setattr(tri, "_rocm", lambda device: True)
+    down = tri._moe_dot_tile(torch.device("cpu"), down=True)
+    assert (down["SWAP"], down["BLOCK_M_MAX"], down["num_warps"], down["BLOCK_N"]) == (False, 64, 4, 128)
+    idx = torch.zeros(400, 2, dtype=torch.int64)  # 200 pairs an expert: 128 rows on CUDA, 64 here
+    assert tri.moe_prepare(torch.zeros(400, 8), idx, 4)[0] == 64
+    monkeypatch.setattr(tri, "_rocm", lambda device: False)
+    assert tri.moe_prepare(torch.zeros(400, 8), idx, 4)[0] == 128
+    monkeypatch.setitem(tri.MOE_DOT, "BLOCK_M_MAX", 48)
+    with pytest.raises(ValueError, match="MOE_DOT BLOCK_M_MAX=48"):
+        tri.moe_prepare(torch.zeros(400, 8), idx, 4)
+
+
+def test_fp8_dot_block_k_must_divide_the_scale_block(monkeypatch):
+    """FP8_DOT's BLOCK_K applies one 128 x 128 scale per K step: a tile that straddles two is a ValueError (as an
+    sm_90 GPU would launch a prefill's GEMM: meta tensors, launches recorded, nothing run)."""
+    from pytest_cdna2.isa import SM90, _dispatch_as
+
+    monkeypatch.setitem(tri.FP8_DOT, "BLOCK_K", 96)
+    w = QWeight(torch.empty(256, 256, dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty(2, 2, dtype=torch.float8_e8m0fnu, device="meta"), "fp8")
+    x = torch.empty(100, 256, dtype=torch.bfloat16, device="meta")
+    with _dispatch_as(SM90, []), pytest.raises(ValueError, match="FP8_DOT BLOCK_K=96 straddles"):
+        tri.linear(x, w)
 
 
 def test_moe_pairs_up_to_a_few_tokens(monkeypatch):

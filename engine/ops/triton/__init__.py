@@ -172,8 +172,9 @@ MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row til
 # 144-153), gate/up + down ms at 256 / 1024 / 4096 tokens: 3.32 / 4.45 / 10.23 at 4 gate/up stages and 64 down
 # columns a program -> 3.01 / 3.70 / 9.57 at 3 stages and 128 columns (runs 144-145; 2.80 / 3.55 / 9.29 in run 152);
 # SWAP (acc^T = decoded tile @ x^T: on sm_90 the tile becomes wgmma's register operand instead of mma.sync's) and
-# 8-warp down programs -> 2.77 / 3.23 / 7.51 (runs 152-153); 128-row blocks from 4096 tokens -> 6.41 (8192: 13.0
-# -> 12.4; at 1024 tokens they take 3.64 ms for gate/up against 2.05 at 32 rows).
+# 8-warp down programs -> 2.77 / 3.23 / 7.51 (runs 152-153); 128-row blocks beyond 64 pairs an expert (V4-Flash: from
+# 2731 tokens; unmeasured between there and 4096) -> 6.41 at 4096 (8192: 13.0 -> 12.4; at 1024 tokens they take
+# 3.64 ms for gate/up against 2.05 at 32 rows).
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 3, "SWAP": True, "BLOCK_M_MAX": 128}
 MOE_DOT_DOWN = {"BLOCK_N": 128, "num_warps": 8}
 # ROCm keeps run 145's forms (untuned there): the ISA tier puts SWAP's 128-row gate/up at 1 wave a SIMD (303 VGPRs +
@@ -297,7 +298,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             bm = cfg.get("BLOCK_M_CUDA", 64)
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         if 128 % bk:
-            raise ValueError(f"FP8_DOT BLOCK_K={bk} straddles the 128-column scale blocks: set it to 32, 64 or 128")
+            raise ValueError(f"FP8_DOT BLOCK_K={bk} straddles the 128-column scale blocks: set a divisor of 128")
         while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
             bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
         grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
@@ -434,7 +435,9 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
         return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
     per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs
-    cap = _moe_dot_tile(x.device, down=False)["BLOCK_M_MAX"]  # (1024 tokens x 6 of 256: 32; NOTES runs 144, 153)
+    cap = _moe_dot_tile(x.device, down=False).get("BLOCK_M_MAX", 64)  # (1024 tokens x 6 of 256: 32; NOTES 144, 153)
+    if cap not in (16, 32, 64, 128):
+        raise ValueError(f"MOE_DOT BLOCK_M_MAX={cap}: expected 16, 32, 64 or 128 (moe_prepare's row blocks)")
     bm = next(b for b in (16, 32, 64, 128) if per_expert <= b or b >= cap)
     return (bm, *moe_blocks(idx, n_experts, bm), topk)
 
@@ -867,6 +870,12 @@ HC_MIX_BLOCK_D = 32  # the mix's D blocks (hc_post_pre's and hc_mix_partial's): 
 # D blocks in turn (STEPS), so 1024 rows are not 131k tiny programs and hc_pre adds 4 splits a row, not 128
 # (decode, up to 32 rows at V4-Flash's 128 mix blocks, is unchanged; bench/NOTES.md run 139)
 HC_POST_PROGRAMS = 4096
+# From min_rows rows (a prefill) the mix's dots with fn leave hc_post_pre's and hc_mix_partial's row programs for
+# hc_mix_dot_kernel, BLOCK_M rows a program sharing each fn tile: a row a program re-read the 1.5 MB fn from the L2
+# for every row (NOTES run 139); those launches keep the per-row Gram matrix. The H200 (bench/probe_hc_prefill.py,
+# NOTES run 157): hc_post_pre at 1024 / 4096 rows 391 / 1482 -> 127 / 466 us (16 x 128 tiles; 32 rows: 199 / 743).
+HC_MIX_DOT = {"min_rows": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+HC_MIX_DOT_ROCM = {"BLOCK_K": 64}  # untuned there; the ISA tier: 157 VGPRs (3 waves a SIMD) against 272 + 16 AGPRs
 
 
 def _streams(h: torch.Tensor) -> torch.Tensor:
@@ -884,10 +893,24 @@ def _hc_mix(h3: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, int]:
     mix, bd = fn.shape[0], HC_MIX_BLOCK_D
     chunk, split = _k_chunk(d, max(1, min(triton_cdiv(d, bd), MIN_PROGRAMS // rows)), bd)
     part = _empty(rows, split, mix + n * n, dtype=torch.float64, device=h3.device)
+    dots = rows < HC_MIX_DOT["min_rows"]
     _Launch(h3)("hc_mix_partial_kernel", (rows, split), h3, fn, part, n, d, chunk, mix, h3.stride(0), fn.stride(0),
                 part.stride(0), h3.stride(1), PW=part.shape[-1], NP=_pow2(n, 2), MIXP=_pow2(mix), BLOCK_D=bd,
-                num_warps=4)
+                DOTS=dots, num_warps=4)
+    if not dots:
+        _hc_mix_dot(h3, fn, part, chunk)
     return part, split
+
+
+def _hc_mix_dot(h3: torch.Tensor, fn: torch.Tensor, part: torch.Tensor, chunk: int) -> None:
+    """part[:, s, :MIX] = the mix's dots over split s (`chunk` columns of D), BLOCK_M rows a program."""
+    rows, n, d = h3.shape
+    mix, c = fn.shape[0], {**HC_MIX_DOT, **(HC_MIX_DOT_ROCM if _rocm(h3.device) else {})}
+    _Launch(h3)("hc_mix_dot_kernel", (triton_cdiv(rows, c["BLOCK_M"]), part.shape[1]), h3, fn, part, rows, n, d,
+                chunk, mix, h3.stride(0), fn.stride(0), part.stride(0), h3.stride(1), PW=part.shape[-1],
+                MIXP=max(16, _pow2(mix)), BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"],
+                SPLIT_FN=h3.dtype in (torch.bfloat16, torch.float16), num_warps=c["num_warps"],
+                num_stages=c["num_stages"])
 
 
 def _hc_collapse(part: torch.Tensor, split: int, h3: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -970,10 +993,14 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     blocks = triton_cdiv(blocks, steps)
     fn = y if fn is None else fn.float().contiguous()
     part = _empty(rows, blocks, mix + n * n, dtype=torch.float64, device=h.device) if mix else y
+    dots = rows < HC_MIX_DOT["min_rows"]
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
                y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,
-               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, STEPS=steps, num_warps=4)
+               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, STEPS=steps, DOTS=dots or not mix,
+               num_warps=4)
+    if mix and not dots:
+        _hc_mix_dot(y.view(rows, n, d), fn, part, steps * bd)
     return y, (part if mix else None)
 
 

@@ -1258,13 +1258,15 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, I, limit, stride_g, stride_u, stride_y,
 
 @triton.jit
 def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, stride_fn, stride_p, stride_hn,
-                          PW: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr):
+                          PW: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr,
+                          DOTS: tl.constexpr = True):
     """Split part of mHC's mix: per (row, split) over one chunk of D for all N streams (stream j of a row at
     j * stride_hn: 0 for the first block's streams, one embedding broadcast), the dots with every fn row (fn
     [MIX, N * D]: stream j's column d at j * D + d) at part[row, split, :MIX] and the streams' Gram matrix
     sum_d h_j h_k at part[row, split, MIX:MIX + N * N] (its trace: the sum of squares; in fp64, as part is, so
     that pre^T G pre keeps the precision of a direct sum of squares of x even where the streams cancel). Split
-    so the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order."""
+    so the 1.5 MB fn (V4-Flash) streams through many SMs at decode; hc_pre_kernel adds the splits in order.
+    DOTS False (many rows): the Gram matrix alone, hc_mix_dot_kernel writes the dots."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     i = tl.arange(0, NP)
@@ -1278,14 +1280,56 @@ def hc_mix_partial_kernel(h_ptr, fn_ptr, part_ptr, N, D, CHUNK, MIX, stride_h, s
         hd_ok = i_ok[:, None] & (rd < D)[None, :]
         hv = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=hd_ok,
                      other=0.0).to(tl.float32)
-        f = tl.load(fn_ptr + j[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
-                    mask=j_ok[:, None, None] & hd_ok[None, :, :], other=0.0)
-        acc += f * hv[None, :, :]
+        if DOTS:
+            f = tl.load(fn_ptr + j[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
+                        mask=j_ok[:, None, None] & hd_ok[None, :, :], other=0.0)
+            acc += f * hv[None, :, :]
         hd = hv.to(tl.float64)
         gram += hd[:, None, :] * hd[None, :, :]
     out = part_ptr + row * stride_p + sp * PW
-    tl.store(out + j, tl.sum(tl.sum(acc, axis=2), axis=1), mask=j_ok)
+    if DOTS:
+        tl.store(out + j, tl.sum(tl.sum(acc, axis=2), axis=1), mask=j_ok)
     tl.store(out + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=i_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def hc_mix_dot_kernel(h_ptr, fn_ptr, part_ptr, ROWS, N, D, CHUNK, MIX, stride_h, stride_fn, stride_p, stride_hn,
+                      PW: tl.constexpr, MIXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_FN: tl.constexpr = False):
+    """The mix dots at many rows (a prefill): part[row, split, :MIX] = sum over the N streams and the split's
+    CHUNK of D of h[row, j, d] fn[m, j * D + d], as hc_mix_partial_kernel's, for BLOCK_M rows a program, so a
+    tile of fn serves BLOCK_M rows (one row a program re-read the 1.5 MB fn from the L2 for every row). fp32
+    products and sums either way: SPLIT_FN (bf16/fp16 streams) splits each fp32 fn tile into three parts of the
+    streams' dtype (8 + 8 + 8 bits for bf16: the whole fp32 significand), so three tensor-core dots take exact
+    products into fp32 accumulators; otherwise (fp32 streams) one tl.dot in IEEE fp32 (no tf32)."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sp = tl.program_id(1)
+    m = tl.arange(0, MIXP)
+    r_ok = r < ROWS
+    m_ok = m < MIX
+    lo = sp * CHUNK
+    hi = tl.minimum(lo + CHUNK, D)
+    rows = h_ptr + r.to(tl.int64)[:, None] * stride_h
+    acc = tl.zeros([BLOCK_M, MIXP], dtype=tl.float32)
+    for j in range(N):
+        for d0 in range(lo, hi, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            d_ok = d < hi
+            hv = tl.load(rows + j * stride_hn + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            f = tl.load(fn_ptr + m[None, :] * stride_fn + (j * D + d)[:, None], mask=d_ok[:, None] & m_ok[None, :],
+                        other=0.0)
+            if SPLIT_FN:
+                p1 = f.to(hv.dtype)
+                rest = f - p1.to(tl.float32)
+                p2 = rest.to(hv.dtype)
+                p3 = (rest - p2.to(tl.float32)).to(hv.dtype)
+                acc = tl.dot(hv, p3, acc)
+                acc = tl.dot(hv, p2, acc)
+                acc = tl.dot(hv, p1, acc)
+            else:
+                acc += tl.dot(hv.to(tl.float32), f, input_precision="ieee")
+    out = part_ptr + r.to(tl.int64)[:, None] * stride_p + sp * PW + m[None, :]
+    tl.store(out, acc.to(tl.float64), mask=r_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -1356,7 +1400,7 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
                    stride_y, stride_fn, stride_p, stride_hn, NP: tl.constexpr, BLOCK_D: tl.constexpr,
                    MIXP: tl.constexpr = 1, PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False,
-                   STEPS: tl.constexpr = 1):
+                   STEPS: tl.constexpr = 1, DOTS: tl.constexpr = True):
     """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and STEPS D blocks per
     program; h [rows, N, D] (stream stride stride_hn: 0 for the first block's broadcast embedding) and y
     contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input of a block
@@ -1364,7 +1408,8 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     MIX_NEXT (the op hc_post_pre): also the next hc_pre's split mix partials of this program's blocks, from y as
     rounded to its dtype (what hc_pre would read): the dots with fn's MIX rows (fp32 sums) and the streams' Gram
     matrix (fp64), at part[row, split, :MIX] and part[row, split, MIX:] (hc_mix_partial_kernel's layout, one
-    split per program). STEPS > 1 (a prefill's many rows): fewer, longer programs, and fewer splits for hc_pre."""
+    split per program). STEPS > 1 (a prefill's many rows): fewer, longer programs, and fewer splits for hc_pre.
+    DOTS False (many rows): the Gram matrix alone, hc_mix_dot_kernel writes the dots from y."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
@@ -1381,7 +1426,7 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         o = tl.load(out_ptr + row * stride_o + rd, mask=d_ok, other=0.0).to(tl.float32)
         hh = tl.load(h_ptr + row * stride_h + i[:, None] * stride_hn + rd[None, :], mask=jd_ok,
                      other=0.0).to(tl.float32)
-        if MIX_NEXT:
+        if MIX_NEXT and DOTS:
             f = tl.load(fn_ptr + m[:, None, None] * stride_fn + (i[:, None] * D + rd[None, :])[None, :, :],
                         mask=m_ok[:, None, None] & jd_ok[None, :, :], other=0.0)  # [MIX, k, d]
         acc = post[:, None] * o[None, :] + tl.sum(comb[:, :, None] * hh[:, None, :], axis=0)  # [k, d]
@@ -1389,12 +1434,14 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         tl.store(y_ptr + row * stride_y + i[:, None] * D + rd[None, :], y, mask=jd_ok)
         if MIX_NEXT:
             yf = tl.where(jd_ok, y.to(tl.float32), 0.0)
-            dots += f * yf[None, :, :]
+            if DOTS:
+                dots += f * yf[None, :, :]
             yd = yf.to(tl.float64)
             gram += yd[:, None, :] * yd[None, :, :]
     if MIX_NEXT:
         at = part_ptr + row * stride_p + tl.program_id(1) * PW
-        tl.store(at + m, tl.sum(tl.sum(dots, axis=2), axis=1), mask=m_ok)
+        if DOTS:
+            tl.store(at + m, tl.sum(tl.sum(dots, axis=2), axis=1), mask=m_ok)
         tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=ok[:, None] & ok[None, :])
 
 
@@ -1851,10 +1898,6 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1), 4, True),
-    ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA from 4096 tokens: 128-row blocks, acc^T
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
-    ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN on CUDA from 4096 tokens (ROCm: MOE_DOT_ROCM)
-     _sig(*_MOE_DOWN, BLOCK_M=128, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=True), 8, True),
     ("moe_gate_up_stream", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as gfx90a runs it
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True), 2, False),
@@ -1970,13 +2013,26 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
           BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True), 4, False),
+    ("hc_post_gram", hc_post_kernel,  # a prefill's: the Gram matrix only, hc_mix_dot the dots (HC_MIX_DOT)
+     _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
+          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True, STEPS=32, DOTS=False), 4, False),
+    ("hc_mix_dot", hc_mix_dot_kernel,  # bf16 streams: fn in three bf16 parts, three MFMA dots (ROCm's tile)
+     _sig("h_ptr fn_ptr part_ptr ROWS N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
+          "*bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, MIXP=32, BLOCK_M=16, BLOCK_K=64,
+          SPLIT_FN=True), 4, True),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above),
-# the inline-PTX E2M1 decode (PRMT) and the one-token tensor-core MXFP4 kernels (inline PTX mma.sync).
+# the inline-PTX E2M1 decode (PRMT), the one-token tensor-core MXFP4 kernels (inline PTX mma.sync) and the prefill
+# MoE's swapped 128-row dots (MOE_DOT on CUDA; ROCm keeps MOE_DOT_ROCM's forms).
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
+    ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA past 64 pairs an expert: 128 rows, acc^T
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
+    ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN's (ROCm runs neither: MOE_DOT_ROCM)
+     _sig(*_MOE_DOWN, BLOCK_M=128, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=True), 8, True),
     ("fp8_stream_hw_long", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=True, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, LOCAL=16),
      4, False),

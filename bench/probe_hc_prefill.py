@@ -1,0 +1,71 @@
+"""mHC's hc_post_pre at prefill rows (V4-Flash: 4 streams x 4096, mix 24, bf16 streams): GPU time per call for
+the row form (each row's program takes the mix's dots with fn itself) and the dot form (hc_mix_dot_kernel,
+BLOCK_M rows a program) at each HC_MIX_DOT tile given, each checked against the row form's sums (rel. Frobenius
+<= 1e-5: fp32 sums in another order; bench_kernels.check; a non-zero exit names a failed case).
+
+    python bench/probe_hc_prefill.py [--rows 1024 4096] [--tiles BM,BK,WARPS,STAGES ...] [--out DIR]  # GPU, ~30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_kernels as B  # noqa: E402
+
+tri = B.tri
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1024, 4096])
+    ap.add_argument("--tiles", nargs="*", default=["16,64,4,2", "32,64,4,2", "16,128,4,2", "16,256,4,2",
+                                                    "16,128,8,3"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    n, d = 4, 4096
+    mix, g, saved = (2 + n) * n, B.GEN, dict(tri.HC_MIX_DOT)
+    fn = torch.randn(mix, n * d, device=B.DEV, generator=g) * 0.01
+    base, scale = torch.randn(mix, device=B.DEV, generator=g) * 0.1, torch.ones(3, device=B.DEV)
+    nw = torch.ones(d, device=B.DEV, dtype=B.ACT)
+    rows_out, results = [], {"checks": {}}
+    for rows in a.rows:
+        sets = [(torch.randn(rows, 1, d, device=B.DEV, dtype=B.ACT, generator=g),
+                 torch.randn(rows, 1, n, d, device=B.DEV, dtype=B.ACT, generator=g),
+                 torch.rand(rows, 1, n, device=B.DEV, generator=g),
+                 torch.rand(rows, 1, n, n, device=B.DEV, generator=g)) for _ in range(3)]  # 3 x 40+ MB: past the L2
+
+        def call(out, h, post, comb):
+            return tri.hc_post_pre(out, h, post, comb, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-6))
+
+        want = None
+        for tile in ["row form"] + a.tiles:
+            if tile == "row form":
+                tri.HC_MIX_DOT.update(saved, min_rows=1 << 30)
+            else:
+                bm, bk, warps, st = (int(v) for v in tile.split(","))
+                tri.HC_MIX_DOT.update(min_rows=1, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=st)
+            try:
+                sums = call(*sets[0])[1]
+                us = B.time_graph_ms(call, sets, 20) * 1e3
+            finally:
+                tri.HC_MIX_DOT.update(saved)
+            want = sums if want is None else want
+            err = float((sums - want).norm() / want.norm())
+            name = f"rows {rows} {tile}"
+            B.check(results, name, err, 1e-5)
+            rows_out.append({"rows": rows, "form": name, "us": round(us, 1), "rel_vs_row_form": err})
+            print(rows_out[-1], flush=True)
+    with open(os.path.join(a.out, "probe_hc_prefill.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out, "checks": results["checks"]}, f, indent=1)
+    B.exit_on_failed(results)
+
+
+if __name__ == "__main__":
+    main()
