@@ -1,7 +1,8 @@
 """mHC's hc_post_pre at prefill rows (V4-Flash: 4 streams x 4096, mix 24, bf16 streams): GPU time per call for
 the row form (each row's program takes the mix's dots with fn itself) and the dot form (hc_mix_dot_kernel,
-BLOCK_M rows a program) at each HC_MIX_DOT tile given, each checked against the row form's sums (rel. Frobenius
-<= 1e-5: fp32 sums in another order; bench_kernels.check; a non-zero exit names a failed case).
+BLOCK_M rows a program) at each HC_MIX_DOT tile given, each checked against the row form's dots (the sums'
+first MIX entries; rel. Frobenius <= 1e-5: fp32 sums in another order; bench_kernels.check; a non-zero exit names
+a failed case).
 
     python bench/probe_hc_prefill.py [--rows 1024 4096] [--tiles BM,BK,WARPS,STAGES ...] [--out DIR]  # GPU, ~30 s
 """
@@ -25,7 +26,7 @@ tri = B.tri
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="*", default=[1024, 4096])
-    ap.add_argument("--tiles", nargs="*", default=["16,64,4,2", "32,64,4,2", "16,128,4,2", "16,256,4,2",
+    ap.add_argument("--tiles", nargs="*", default=["16,128,4,3", "16,64,4,2", "32,64,4,2", "16,256,4,2",
                                                     "16,128,8,3"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -57,7 +58,7 @@ def main() -> None:
             finally:
                 tri.HC_MIX_DOT.update(saved)
             want = sums if want is None else want
-            err = float((sums - want).norm() / want.norm())
+            err = float((sums[..., :mix] - want[..., :mix]).norm() / want[..., :mix].norm())
             name = f"rows {rows} {tile}"
             B.check(results, name, err, 1e-5)
             rows_out.append({"rows": rows, "form": name, "us": round(us, 1), "rel_vs_row_form": err})

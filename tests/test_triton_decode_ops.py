@@ -244,25 +244,42 @@ def test_hc_post_pre(n, rows, d, dtype, programs, monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "fp16 split"])
 @pytest.mark.parametrize("programs", [4096, 60])  # 60: 4 D blocks a program, so 4 per split
 def test_hc_mix_dots_at_many_rows(n, dtype, programs, monkeypatch):
     """From HC_MIX_DOT's min_rows (lowered here to reach it at CPU sizes) the mix's dots come from
     hc_mix_dot_kernel, BLOCK_M rows sharing each fn tile, and the row launches keep the Gram matrix: hc_pre
     (streams, and the first block's broadcast embedding) and hc_post_pre against float64 at the row form's
-    tolerances, and their sums within fp32 rounding (1e-6) of the row form's own."""
+    tolerances, and their sums within fp32 rounding (1e-6) of the row form's own, the dots (sums[..., :mix]) apart
+    from the much larger Gram entries. `fp16 split`: fn in three fp16 parts and three dots, the form bf16 streams
+    take on a GPU (the interpreter cannot run bf16); fp16 parts drop fn's bits below 2^-24 (2.5e-7 rel. at this
+    fn's scale), so those dots are held to 1e-5 of the row form's (bf16 parts are exact)."""
+    split = dtype == "fp16 split"
+    dtype = torch.float16 if split else dtype
     monkeypatch.setattr(tri, "HC_POST_PROGRAMS", programs)
     monkeypatch.setitem(tri.HC_MIX_DOT, "BLOCK_M", 16)
+    monkeypatch.setitem(tri.HC_MIX_DOT, "BLOCK_K", 32)  # several K steps in every split
+    monkeypatch.setitem(tri.HC_MIX_DOT, "split", (torch.bfloat16, torch.float16) if split else (torch.bfloat16,))
+    sums_tol = 1e-5 if split else 1e-6
+    mix = 2 * n + n * n
+
+    def close(a, b):  # the dots and the Gram matrix each within sums_tol of the row form's
+        return rel(a[..., :mix], b[..., :mix]) <= sums_tol and rel(a[..., mix:], b[..., mix:]) <= 1e-6
     g = torch.Generator().manual_seed(n * 5 + programs)
-    rows, d = 20, 300  # two row blocks, the second ragged; d ragged for BLOCK_K (64), split over D
+    rows, d = 20, 300  # two row blocks, the second ragged; d ragged for BLOCK_K, split over D
     h, out = (torch.randn(rows, 1, n, d, generator=g) * 2).to(dtype), torch.randn(rows, 1, d, generator=g).to(dtype)
     post, comb = torch.rand(rows, 1, n, generator=g) * 2, torch.rand(rows, 1, n, n, generator=g)
     fn, base, scale, nw = _hc_case(g, n, d, dtype)
     tols = (1e-5,) * 5 if dtype == torch.float32 else (1e-2, 1e-2, 1e-2, 1e-3, 1e-3)  # as test_hc_post_pre's
     emb = h[:, :, :1].expand(rows, 1, n, d)
-    launched = []
-    dot_launch = tri._hc_mix_dot
-    monkeypatch.setattr(tri, "_hc_mix_dot", lambda *a: (launched.append(a[2].shape), dot_launch(*a))[1])
+    launched, launch = [], tri._Launch.__call__
+
+    def spy(self, name, grid, *args, **kw):  # hc_mix_dot_kernel's launches and their form
+        if name == "hc_mix_dot_kernel":
+            launched.append(kw["SPLIT_FN"])
+        return launch(self, name, grid, *args, **kw)
+
+    monkeypatch.setattr(tri._Launch, "__call__", spy)
 
     def both(op, *args):  # (dot form, row form)
         monkeypatch.setitem(tri.HC_MIX_DOT, "min_rows", 1)
@@ -272,7 +289,7 @@ def test_hc_mix_dots_at_many_rows(n, dtype, programs, monkeypatch):
 
     for streams in (h, emb):
         (sums, x, xn), (rsums_rows, _, _) = both(tri.hc_pre, streams, fn, base, scale, n, 1e-6, 1e-6, (nw, 1e-5))
-        assert rel(sums, rsums_rows) <= 1e-6
+        assert close(sums, rsums_rows)
         rsums, rx, rxn = ref.hc_pre(*_f64(streams, fn, base, scale), n, 1e-6, 1e-6, (nw.double(), 1e-5))
         got = (x, xn, *tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, dtype))
         want = (rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
@@ -280,14 +297,14 @@ def test_hc_mix_dots_at_many_rows(n, dtype, programs, monkeypatch):
             assert rel(a, b) <= t
     (y, sums, x, xn), (_, sums_rows, _, _) = both(tri.hc_post_pre, out, h, post, comb, fn, base, scale, n, 1e-6,
                                                   1e-6, (nw, 1e-5))
-    assert sums.shape[-2] == sums_rows.shape[-2] and rel(sums, sums_rows) <= 1e-6
+    assert sums.shape[-2] == sums_rows.shape[-2] and close(sums, sums_rows)
     ry, rsums, rx, rxn = ref.hc_post_pre(*_f64(out, h, post, comb, fn, base, scale), n, 1e-6, 1e-6,
                                          (nw.double(), 1e-5))
     got = (y, x, xn, *tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, dtype))
     want = (ry, rx, rxn, *ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64))
     for a, b, t in zip(got, want, tols, strict=True):
         assert rel(a, b) <= t
-    assert len(launched) == 3  # the dot form ran in each op's first call, not in the row form's
+    assert launched == [split] * 3  # the dot form ran in each op's first call (not the row form's), split or not
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")

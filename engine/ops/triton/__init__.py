@@ -873,8 +873,12 @@ HC_POST_PROGRAMS = 4096
 # From min_rows rows (a prefill) the mix's dots with fn leave hc_post_pre's and hc_mix_partial's row programs for
 # hc_mix_dot_kernel, BLOCK_M rows a program sharing each fn tile: a row a program re-read the 1.5 MB fn from the L2
 # for every row (NOTES run 139); those launches keep the per-row Gram matrix. The H200 (bench/probe_hc_prefill.py,
-# NOTES run 157): hc_post_pre at 1024 / 4096 rows 391 / 1482 -> 127 / 466 us (16 x 128 tiles; 32 rows: 199 / 743).
-HC_MIX_DOT = {"min_rows": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# NOTES run 157): hc_post_pre at 1024 / 4096 rows 391 / 1482 -> 127 / 466 us (16 x 128 tiles; 32 x 64: 206 / 776).
+# split: the streams' dtypes whose dots take fn in three parts of that dtype (tensor cores): bf16 parts hold all of
+# fp32's significand and range; fp16 ones would lose fn's bits below 2^-24 (1.7e-6 rel. at |fn| ~ 1e-2), so fp16
+# and fp32 streams take an IEEE fp32 dot.
+HC_MIX_DOT = {"min_rows": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+              "split": (torch.bfloat16,)}
 HC_MIX_DOT_ROCM = {"BLOCK_K": 64}  # untuned there; the ISA tier: 157 VGPRs (3 waves a SIMD) against 272 + 16 AGPRs
 
 
@@ -909,7 +913,7 @@ def _hc_mix_dot(h3: torch.Tensor, fn: torch.Tensor, part: torch.Tensor, chunk: i
     _Launch(h3)("hc_mix_dot_kernel", (triton_cdiv(rows, c["BLOCK_M"]), part.shape[1]), h3, fn, part, rows, n, d,
                 chunk, mix, h3.stride(0), fn.stride(0), part.stride(0), h3.stride(1), PW=part.shape[-1],
                 MIXP=max(16, _pow2(mix)), BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"],
-                SPLIT_FN=h3.dtype in (torch.bfloat16, torch.float16), num_warps=c["num_warps"],
+                SPLIT_FN=h3.dtype in c["split"], num_warps=c["num_warps"],
                 num_stages=c["num_stages"])
 
 

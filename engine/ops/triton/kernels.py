@@ -1299,9 +1299,9 @@ def hc_mix_dot_kernel(h_ptr, fn_ptr, part_ptr, ROWS, N, D, CHUNK, MIX, stride_h,
     """The mix dots at many rows (a prefill): part[row, split, :MIX] = sum over the N streams and the split's
     CHUNK of D of h[row, j, d] fn[m, j * D + d], as hc_mix_partial_kernel's, for BLOCK_M rows a program, so a
     tile of fn serves BLOCK_M rows (one row a program re-read the 1.5 MB fn from the L2 for every row). fp32
-    products and sums either way: SPLIT_FN (bf16/fp16 streams) splits each fp32 fn tile into three parts of the
-    streams' dtype (8 + 8 + 8 bits for bf16: the whole fp32 significand), so three tensor-core dots take exact
-    products into fp32 accumulators; otherwise (fp32 streams) one tl.dot in IEEE fp32 (no tf32)."""
+    products and sums either way: SPLIT_FN (bf16 streams) splits each fp32 fn tile into three parts of the
+    streams' dtype (8 + 8 + 8 bits: the whole fp32 significand, and bf16 has fp32's exponent range), so three
+    tensor-core dots take exact products into fp32 accumulators; otherwise one tl.dot in IEEE fp32 (no tf32)."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     sp = tl.program_id(1)
     m = tl.arange(0, MIXP)
