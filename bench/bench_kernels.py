@@ -156,8 +156,12 @@ def check(results: dict, name: str, err: float, tol: float = 1e-2) -> None:
     print(f"check {name:40s} rel={err:.2e} tol={tol:g} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def exit_on_failed(results: dict) -> None:
-    """A probe's timings count only when its outputs were right: a non-zero exit names the failed checks."""
+def probe_done(out_dir: str, name: str, rows: list, results: dict, **extra: object) -> None:
+    """A probe's end: its rows and checks in out_dir/name.json, then, since its timings count only when its
+    outputs were right, a non-zero exit naming any failed check."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **extra, "rows": rows, "checks": results["checks"]}, f,
+                  indent=1)
     failed = [k for k, c in results["checks"].items() if not c["ok"]]
     if failed:
         sys.exit(f"{len(failed)} check(s) failed: {', '.join(failed)}")

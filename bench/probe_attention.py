@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 
@@ -84,9 +83,7 @@ def main() -> None:
             B.check(results, name, row["rel_old"])
         print(row, flush=True)
         rows.append(row)
-    with open(os.path.join(a.out, "probe_attention.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "checks": results["checks"]}, f, indent=1)
-    B.exit_on_failed(results)
+    B.probe_done(a.out, "probe_attention", rows, results)
 
 
 if __name__ == "__main__":

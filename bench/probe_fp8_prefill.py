@@ -10,7 +10,6 @@ sizes the dots, not the weights' bytes, bind. Exits non-zero when a check fails.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -56,9 +55,7 @@ def main() -> None:
                        "TFLOPs": round(2 * t * g * r * k / (ms * 1e-3) / 1e12, 1), "rel_err": err}
                 print(row, flush=True)
                 rows.append(row)
-    with open(os.path.join(a.out, "probe_fp8_prefill.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "checks": results["checks"]}, f, indent=1)
-    B.exit_on_failed(results)
+    B.probe_done(a.out, "probe_fp8_prefill", rows, results)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ rate measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -76,10 +75,7 @@ def main() -> None:
             B.check(results, f"{t} {tile}", row["rel_vs_first"])
             print(row, flush=True)
             rows.append(row)
-    with open(os.path.join(a.out, "probe_moe_prefill.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_TBps": copy_tbps, "rows": rows,
-                   "checks": results["checks"]}, f, indent=1)
-    B.exit_on_failed(results)
+    B.probe_done(a.out, "probe_moe_prefill", rows, results, copy_TBps=copy_tbps)
 
 
 if __name__ == "__main__":
