@@ -313,8 +313,10 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
     than one combine step of 16); 0 splits as a decode would (few programs at these sizes); -1 never splits
     (enough programs, as a prefill). rotary: the output's inverse RoPE in the same launches (the RoPE pairs end
     the combine's one D block at d 24, fill it at d 20, sit in its second at d 40; at d 17 they start at an odd
-    column and a launch of its own rotates them), equal to the separate launches bit for bit."""
+    column and a launch of its own rotates them), equal to the separate launches bit for bit. Splits read only
+    the visible keys at odd ln (37, 19) and every key at even ln (the two forms of ATTN_GATHER_KEYS)."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
+    monkeypatch.setattr(tri, "ATTN_GATHER_KEYS", 0 if ln % 2 else 10**9)
     if chunk < 0:
         monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
     g = gen(600 + b * 13 + s + h + ln)
@@ -340,20 +342,24 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_skips_hidden_key_blocks(dtype, monkeypatch):
-    """Unsplit (a prefill): keys 32-63 (whole key blocks at the kernel's 16 or 32 keys a block) hidden from every
-    query hold NaN, and the output is the reference's over the other keys, so those blocks were never read (a
-    read block's hidden keys still meet the dot: 0 x NaN)."""
+@pytest.mark.parametrize("chunk", [-1, 16])
+def test_attention_reads_only_visible_keys(dtype, chunk, monkeypatch):
+    """Keys hidden from every query (a random third of them, not whole blocks) hold NaN, and the output is the
+    reference's over the other keys, unsplit (a prefill, -1) and split (16 keys a split): a hidden key that was
+    read would meet the dot (0 x NaN). The scan is 32 keys here, so rows span several scans."""
+    monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
+    monkeypatch.setattr(tri, "ATTN_SCAN", 32)
+    monkeypatch.setattr(tri, "ATTN_GATHER_KEYS", 96)  # this case's keys: its splits gather too
     monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
     b, s, h, d, ln = 2, 3, 5, 24, 96
-    g = gen(640)
+    g = gen(640 + chunk)
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
     kv = torch.randn(b, ln, d, generator=g).to(dtype)
     sink = torch.randn(h, generator=g)
-    mask = torch.rand(b, s, ln, generator=g) > 0.3
-    mask[:, :, 32:64] = False
+    hidden = torch.rand(ln, generator=g) < 0.35
+    mask = (torch.rand(b, s, ln, generator=g) > 0.3) & ~hidden
     want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5)
-    kv[:, 32:64] = float("nan")
+    kv[:, hidden] = float("nan")
     got = tri.attention(q, kv, sink, mask, d**-0.5)
     assert not got.isnan().any()
     assert rel(got, want) <= TOL[dtype]

@@ -217,6 +217,19 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 # 64); the stream (gfx90a, fp32/fp16 activations, the CPU interpreter) 1.9x / 1.6x faster at 4 / 16, level at 64.
 MOE_PAIRS_MAX_T = {"mma": 64, "stream": 16}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
+# Attention reads only a query's visible keys (kernels.py attention_kernel, GATHER), compacting its mask row ATTN_SCAN
+# entries at a time. A decode split does so from ATTN_GATHER_KEYS keys on and reads every key below that, where its
+# key loads then need not wait for its mask's (a prefill's unsplit programs always gather). H200, V4-Flash's 64 heads
+# x 512 with CSA masks (bench/probe_attention.py, NOTES runs 161-164): a 4096-token prefill 12.4 -> 3.8 ms, 1024
+# tokens 1.10 -> 0.47; one decode token at a 65536 / 8192 / 1024-token context 64 / 19.8 / 13.0 -> 39 / 16.6 / 10.0
+# us; the dense form won at 4224 keys (21.9 against 24.5 us) and gathering at 8320 (29.7 against 40.2 us).
+ATTN_SCAN = 512
+ATTN_GATHER_KEYS = 6144
+# Heads over 256 wide (V4: 512; the acc is [16, 512] fp32), GPU: unsplit (prefill) and split (decode) programs. Two
+# warps a prefill program (runs 163-164): 1, 4 and 8 warps, 8 heads or 32-key blocks were slower.
+ATTN_WIDE = {"BLOCK_H": 16, "BLOCK_L": 16, "num_warps": 2}
+ATTN_WIDE_SPLIT = {"BLOCK_H": 16, "BLOCK_L": 32, "num_warps": 4}
+ATTN_WIDE_ROCM = {"BLOCK_L": 16, "num_warps": 8}  # both forms there, untuned: the ISA tier's 2-3 waves a SIMD
 
 
 # FP8 at 2..max_m tokens (a batched decode step) on the tensor cores (kernels.py `fp8_mma_kernel`: CUDA sm_80+, bf16
@@ -1142,35 +1155,43 @@ def attention(
     o = _empty(*q.shape, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     launch = _Launch(q)
-    bh = min(_pow2(h), 32 if d <= 256 else 16)
-    bl = 16 if launch.cpu or d > 256 else 32
+    whole = parts = {"BLOCK_H": 32, "BLOCK_L": 16 if launch.cpu else 32, "num_warps": 4}  # unsplit, split tiles
+    if d > 256:
+        rocm = ATTN_WIDE_ROCM if _rocm(q.device) else {}
+        whole, parts = ({**ATTN_WIDE, **rocm}, {**ATTN_WIDE_SPLIT, **rocm}) if not launch.cpu else (
+            {"BLOCK_H": 16, "BLOCK_L": 16},) * 2
+    few = b * s * triton_cdiv(h, min(_pow2(h), whole["BLOCK_H"])) < MIN_PROGRAMS // 2  # too few to fill the GPU
+    chunk = ATTN_CHUNK or 256
+    if few and not ATTN_CHUNK:  # split the keys into enough programs, at most 256 keys each
+        bl = parts["BLOCK_L"]
+        per = triton_cdiv(MIN_PROGRAMS // 2, b * s * triton_cdiv(h, min(_pow2(h), parts["BLOCK_H"])))
+        chunk = min(256, triton_cdiv(triton_cdiv(ln, per), bl) * bl)
+    n_split = triton_cdiv(ln, chunk)
+    split = bool(ATTN_CHUNK or few) and n_split > 1
+    tile = parts if split else whole
+    bh = min(_pow2(h), tile["BLOCK_H"])
+    hb = triton_cdiv(h, bh)
     args = (q, kv, sink.contiguous().float(), m8, o, s, h, ln, d, float(scale),
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
             o.stride(0), o.stride(1), o.stride(2))
-    meta = dict(BLOCK_H=bh, BLOCK_L=bl, BLOCK_D=_pow2(d), IEEE=ieee, num_warps=4 if d <= 256 else 8)
+    meta = dict(BLOCK_H=bh, BLOCK_L=tile["BLOCK_L"], BLOCK_D=_pow2(d), IEEE=ieee, num_warps=tile.get("num_warps", 4))
     rot = {}
     if rotary is not None:
         cos, sin = rotary
         half = cos.shape[-1]
         rot = dict(ROPE=True, cos_ptr=cos.expand(b, s, half).contiguous(), sin_ptr=sin.expand(b, s, half).contiguous(),
                    HALF=half)
-    hb = triton_cdiv(h, bh)
-    few = b * s * hb < MIN_PROGRAMS // 2  # too few programs to fill the GPU: split the keys (at most 256 each)
-    chunk = ATTN_CHUNK or 256
-    if few and not ATTN_CHUNK:
-        chunk = min(256, triton_cdiv(triton_cdiv(ln, triton_cdiv(MIN_PROGRAMS // 2, b * s * hb)), bl) * bl)
-    n_split = triton_cdiv(ln, chunk)
-    if n_split > 1 and (ATTN_CHUNK or few):
+    if split:
         part = _empty(b, s, n_split, h, d, dtype=torch.float32, device=q.device)
         ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
         launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
-               ml_ptr=ml, **meta)
+               ml_ptr=ml, SCAN=min(ATTN_SCAN, _pow2(chunk)), GATHER=ln >= ATTN_GATHER_KEYS, **meta)
         bd = min(_pow2(d), 32)
         launch("attention_combine_kernel", (s, b, hb * triton_cdiv(d, bd)), part, ml, args[2], o, s, h, d, n_split,
                o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, BLOCK_S=min(16, _pow2(n_split, 2)),
                num_warps=4, **rot)
     else:
-        launch("attention_kernel", (s, b, hb), *args, **meta, **rot)
+        launch("attention_kernel", (s, b, hb), *args, SCAN=min(ATTN_SCAN, _pow2(ln)), **meta, **rot)
     return o
 
 

@@ -802,16 +802,20 @@ def attention_kernel(
     stride_ob, stride_os, stride_oh,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr = False, CHUNK=0, part_ptr=None, ml_ptr=None,
-    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0,
+    ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, HALF=0, SCAN: tl.constexpr = 256,
+    GATHER: tl.constexpr = True,
 ):
     """One query position x BLOCK_H heads per program (the heads share the KV rows: they are the dot's M).
 
     Online softmax with fp32 running max m and sum l, both started from the sink (m = sink, l = 1), so the
-    sink is in the denominator only and a row with no visible key returns zeros. Unsplit, a block of keys none
-    of which the mask shows is skipped, loads included (it would leave m, l and acc as they are): a prefill's
-    queries read their window's and their picked entries' blocks, not every key of the prompt (1024 tokens on
-    the H200: 3.26 -> 1.10 ms a layer). Split (decode) programs read every block: the branch keeps Triton's
-    pipeliner from loading the next block's keys early, which cost decode more than the skip saved (NOTES 142).
+    sink is in the denominator only and a row with no visible key returns zeros. GATHER: only visible keys are
+    read (sparse attention's point: a query reads its window and its 512 picked entries, whatever the context).
+    The mask is read SCAN keys at a time, and each block of BLOCK_L keys gathers the next BLOCK_L visible ones,
+    the r-th visible key of a scan being at the count of keys whose inclusive visible-prefix count is <= r: a
+    compaction in registers, with no index buffer and no branch in the key loop (an `if` there kept Triton's
+    pipeliner from loading the next keys early, NOTES 142), in the keys' ascending order. Not GATHER (a decode
+    split over a short context, where most keys are visible): every key is read and the mask applied to the
+    logits, so the key loads do not wait for the mask's.
     SPLIT (decode, flash-decoding): program axis 0 is (position, split); each split covers CHUNK keys, starts
     from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
     ROPE (the op's `rotary`, unsplit; attention_combine_kernel does it for SPLIT): the output is rounded, then
@@ -844,22 +848,32 @@ def attention_kernel(
         l_i = tl.full((BLOCK_H,), 1.0, tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     offs_l = tl.arange(0, BLOCK_L)
-    for l0 in range(l_lo, l_hi, BLOCK_L):
-        ll = l0 + offs_l
-        l_ok = ll < l_hi
-        vis = tl.load(mask_ptr + b * stride_mb + s_idx * stride_ms + ll, mask=l_ok, other=0) != 0
-        if SPLIT:
-            show = True
+    offs_c = tl.arange(0, SCAN)
+    mask_row = mask_ptr + b * stride_mb + s_idx * stride_ms
+    for c0 in range(l_lo, l_hi, SCAN):
+        if GATHER:
+            cl = c0 + offs_c
+            vis = (tl.load(mask_row + cl, mask=cl < l_hi, other=0) != 0).to(tl.int32)
+            rank = tl.cumsum(vis, axis=0)  # inclusive: how many of this scan's keys up to each one are visible
+            n_keys = tl.sum(vis, axis=0)
         else:
-            show = tl.max(vis.to(tl.int32), axis=0) > 0
-        if show:
+            n_keys = tl.minimum(l_hi - c0, SCAN)
+        for j0 in range(0, n_keys, BLOCK_L):
+            r = j0 + offs_l
+            in_range = r < n_keys
+            if GATHER:
+                ll = c0 + tl.sum((rank[None, :] <= r[:, None]).to(tl.int32), axis=1)  # the r-th visible key
+                ok = in_range
+            else:
+                ll = c0 + r
+                ok = tl.load(mask_row + ll, mask=in_range, other=0) != 0
             kv = tl.load(kv_ptr + b * stride_kb + ll[:, None] * stride_kl + offs_d[None, :],
-                         mask=l_ok[:, None] & d_ok[None, :], other=0.0)
+                         mask=in_range[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 logit = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
             else:
                 logit = tl.dot(q, tl.trans(kv)) * scale
-            logit = tl.where(vis[None, :], logit, float("-inf"))
+            logit = tl.where(ok[None, :], logit, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logit, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(logit - m_new[:, None])
@@ -1935,8 +1949,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           BLOCK_R=32), 4, False),
     ("attention", attention_kernel,  # the model's form: the output's inverse RoPE in the epilogue (ROPE)
      _sig(_ATTN[0] + " cos_ptr sin_ptr HALF", _ATTN[1] + " *fp64 *fp64 i32", BLOCK_H=16, BLOCK_L=16,
-          BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True), 8, True),
+          BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True, SCAN=512), 8, True),
     ("attention_split", attention_kernel,
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
+          BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=False), 8, True),
+    ("attention_split_gather", attention_kernel,  # a decode split over a long context: only visible keys read
      _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
           BLOCK_H=16, BLOCK_L=16, BLOCK_D=512, IEEE=False, SPLIT=True), 8, True),
     ("attention_combine", attention_combine_kernel,
@@ -2027,10 +2044,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode above),
 # the inline-PTX E2M1 decode (PRMT), the one-token tensor-core MXFP4 kernels (inline PTX mma.sync) and the prefill
-# MoE's swapped 128-row dots (MOE_DOT on CUDA; ROCm keeps MOE_DOT_ROCM's forms).
+# MoE's swapped 128-row dots (MOE_DOT on CUDA; ROCm keeps MOE_DOT_ROCM's forms), and attention's CUDA tiles.
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
+    ("attention_wide", attention_kernel,  # ATTN_WIDE as CUDA runs a prefill (ROCm: ATTN_WIDE_ROCM, above)
+     _sig(_ATTN[0] + " cos_ptr sin_ptr HALF", _ATTN[1] + " *fp64 *fp64 i32", BLOCK_H=16, BLOCK_L=16,
+          BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True, SCAN=512), 2, True),
+    ("attention_wide_split", attention_kernel,  # ATTN_WIDE_SPLIT (decode) on CUDA
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
+          BLOCK_H=16, BLOCK_L=32, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=False), 4, True),
     ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA past 64 pairs an expert: 128 rows, acc^T
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
     ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN's (ROCm runs neither: MOE_DOT_ROCM)
