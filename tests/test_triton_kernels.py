@@ -342,24 +342,29 @@ def test_attention(dtype, b, s, h, d, ln, chunk, rotary, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk", [-1, 16])
-def test_attention_reads_only_visible_keys(dtype, chunk, monkeypatch):
-    """Keys hidden from every query (a random third of them, not whole blocks) hold NaN, and the output is the
-    reference's over the other keys, unsplit (a prefill, -1) and split (16 keys a split): a hidden key that was
-    read would meet the dot (0 x NaN). The scan is 32 keys here, so rows span several scans."""
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("chunk,scan", [(-1, 32), (16, 32), (48, 256), (64, 16)])
+def test_attention_scans_and_splits(dtype, gather, chunk, scan, monkeypatch):
+    """The key loop's shapes at 100 keys (16 a block on the CPU): unsplit rows over several scans of 32 (-1);
+    splits of 16 keys in one scan; splits of 48 whose scan (64) reaches past them, 3 blocks a scan, the last split
+    4 keys; splits of 64 over 4 scans of 16. Gathering (unsplit programs always do), keys hidden from every query
+    (a random third, not whole blocks) hold NaN and the output is still the reference's over the others: a hidden
+    key that was read would meet the dot (0 x NaN). The dense form (splits only) reads every key."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
-    monkeypatch.setattr(tri, "ATTN_SCAN", 32)
-    monkeypatch.setattr(tri, "ATTN_GATHER_KEYS", 96)  # this case's keys: its splits gather too
+    monkeypatch.setattr(tri, "ATTN_SCAN", scan)
+    monkeypatch.setattr(tri, "ATTN_GATHER_KEYS", 0 if gather else 10**9)
     monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)
-    b, s, h, d, ln = 2, 3, 5, 24, 96
-    g = gen(640 + chunk)
+    b, s, h, d, ln = 2, 3, 5, 24, 100
+    g = gen(640 + chunk + scan + gather)
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
     kv = torch.randn(b, ln, d, generator=g).to(dtype)
     sink = torch.randn(h, generator=g)
     hidden = torch.rand(ln, generator=g) < 0.35
     mask = (torch.rand(b, s, ln, generator=g) > 0.3) & ~hidden
+    mask[0, 0, 48:96] = False  # with splits of 48, one whose keys are all hidden
     want = ref.attention(q.double(), kv.double(), sink.double(), mask, d**-0.5)
-    kv[:, hidden] = float("nan")
+    if gather or chunk < 0:
+        kv[:, hidden] = float("nan")
     got = tri.attention(q, kv, sink, mask, d**-0.5)
     assert not got.isnan().any()
     assert rel(got, want) <= TOL[dtype]

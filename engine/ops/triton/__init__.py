@@ -218,8 +218,9 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 MOE_PAIRS_MAX_T = {"mma": 64, "stream": 16}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 # Attention reads only a query's visible keys (kernels.py attention_kernel, GATHER), compacting its mask row ATTN_SCAN
-# entries at a time. A decode split does so from ATTN_GATHER_KEYS keys on and reads every key below that, where its
-# key loads then need not wait for its mask's (a prefill's unsplit programs always gather). H200, V4-Flash's 64 heads
+# entries at a time (a power of two). A decode split does so from ATTN_GATHER_KEYS keys on and reads every key below
+# that, where its key loads then need not wait for its mask's. Unsplit programs (a prefill's, and a batched decode
+# of 33+ sequences at 64 heads, where the dense form was not measured) always gather. H200, V4-Flash's 64 heads
 # x 512 with CSA masks (bench/probe_attention.py, NOTES runs 161-164): a 4096-token prefill 12.4 -> 3.8 ms, 1024
 # tokens 1.10 -> 0.47; one decode token at a 65536 / 8192 / 1024-token context 64 / 19.8 / 13.0 -> 39 / 16.6 / 10.0
 # us; the dense form won at 4224 keys (21.9 against 24.5 us) and gathering at 8320 (29.7 against 40.2 us).
@@ -1185,13 +1186,13 @@ def attention(
         part = _empty(b, s, n_split, h, d, dtype=torch.float32, device=q.device)
         ml = _empty(b, s, n_split, 2, h, dtype=torch.float32, device=q.device)
         launch("attention_kernel", (s * n_split, b, hb), *args, SPLIT=True, CHUNK=chunk, part_ptr=part,
-               ml_ptr=ml, SCAN=min(ATTN_SCAN, _pow2(chunk)), GATHER=ln >= ATTN_GATHER_KEYS, **meta)
+               ml_ptr=ml, SCAN=min(_pow2(ATTN_SCAN), _pow2(chunk)), GATHER=ln >= ATTN_GATHER_KEYS, **meta)
         bd = min(_pow2(d), 32)
         launch("attention_combine_kernel", (s, b, hb * triton_cdiv(d, bd)), part, ml, args[2], o, s, h, d, n_split,
                o.stride(0), o.stride(1), o.stride(2), BLOCK_H=bh, BLOCK_D=bd, BLOCK_S=min(16, _pow2(n_split, 2)),
                num_warps=4, **rot)
     else:
-        launch("attention_kernel", (s, b, hb), *args, SCAN=min(ATTN_SCAN, _pow2(ln)), **meta, **rot)
+        launch("attention_kernel", (s, b, hb), *args, SCAN=_pow2(ATTN_SCAN), **meta, **rot)  # one compile for any ln
     return o
 
 

@@ -833,7 +833,8 @@ def attention_kernel(
         s_idx = tl.program_id(0)
         l_lo = 0
         l_hi = L
-    b = tl.program_id(1)
+    s_idx = s_idx.to(tl.int64)  # row bases in int64: a long prefill's mask (S x L) and q (S x H x D) pass 2^31
+    b = tl.program_id(1).to(tl.int64)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < H
@@ -2055,7 +2056,10 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
           BLOCK_D=512, IEEE=False, SPLIT=False, CHUNK=0, part_ptr=None, ml_ptr=None, ROPE=True, SCAN=512), 2, True),
     ("attention_wide_split", attention_kernel,  # ATTN_WIDE_SPLIT (decode) on CUDA
      _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
-          BLOCK_H=16, BLOCK_L=32, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=False), 4, True),
+          BLOCK_H=16, BLOCK_L=32, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=False, SCAN=256), 4, True),
+    ("attention_wide_split_gather", attention_kernel,  # the same over a long context (ATTN_GATHER_KEYS)
+     _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
+          BLOCK_H=16, BLOCK_L=32, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=True, SCAN=256), 4, True),
     ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA past 64 pairs an expert: 128 rows, acc^T
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
     ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN's (ROCm runs neither: MOE_DOT_ROCM)
