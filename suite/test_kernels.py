@@ -279,6 +279,38 @@ def test_attention(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S
     check("attention", out, ref, dtype, cdna2_tolerance, cdna2_record)
 
 
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_sparse_attention(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, case):
+    """V4's compressed sparse attention at its head width (512), 8 heads, the model's form (sinks, the output
+    un-rotated): each query sees its sliding window (128) and at most 512 picked compressed entries. decode: one
+    token per sequence over a long buffer (the window ring then 8064 entry slots, 512 picked at random); prefill:
+    144 positions over the prompt and its 36 entries, the window causal, every entry a position has closed picked.
+    At these lengths a backend that reads only the visible keys does so (the bundled one from 6144 keys in a
+    decode, always in a prefill's programs), so its compaction of the mask is checked on the device itself."""
+    torch.manual_seed(1 if case == "decode" else 2)
+    h, d, win = 8, 512, 128
+    if case == "decode":
+        b, s, ln = 2, 1, 8192
+        mask = torch.zeros(b, s, ln, dtype=torch.bool)
+        mask[..., :win] = True
+        for i in range(b):
+            mask[i, 0, win + torch.randperm(ln - win)[:512]] = True
+    else:
+        b, s = 1, 144  # 144 programs a launch: past the bundled backend's split threshold (132), as a prefill runs
+        pos = torch.arange(s)
+        window = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - win)
+        entries = torch.arange(s // 4)[None] < ((pos + 1) // 4)[:, None]
+        mask, ln = torch.cat([window, entries], 1)[None], s + s // 4
+    mask = mask.to(cdna2_device)
+    q, kv = rnd(b, s, h, d, dev=cdna2_device, dtype=dtype), rnd(b, ln, d, dev=cdna2_device, dtype=dtype)
+    sink = rnd(h, dev=cdna2_device)
+    ang = torch.rand(b, s, 32, dtype=torch.float64, device=cdna2_device) * 100
+    rot = (ang.cos(), ang.sin())
+    out = ops.attention(q, kv, sink, mask, d**-0.5, rot)
+    ref = reference.attention(f64(q), f64(kv), sink, mask, d**-0.5, rot)
+    check("attention", out, ref, dtype, cdna2_tolerance, cdna2_record)
+
+
 @pytest.mark.parametrize("B,S,T", [(1, 1, 9), (2, 6, 33)])
 def test_index_scores(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S, T):
     torch.manual_seed(B * 100 + S + T)
