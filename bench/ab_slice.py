@@ -22,7 +22,7 @@ import os
 import statistics
 
 import torch
-from bench_slice import FLASH, apply_overrides, moe_decode, random_packed, time_steps
+from bench_slice import FLASH, apply_overrides, launch_settings, moe_decode, random_packed, time_steps
 
 from cdna2_engine.config import Config
 from cdna2_engine.model import DecodeGraph, Model
@@ -67,9 +67,7 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
     cache = model.new_cache()
     first = model.step(ids, cache)[:, -1:].argmax(-1)
-    settings = {k: v for k, v in vars(tri).items()
-                if k.isupper() and not k.startswith("_") and isinstance(v, (dict, int)) and not isinstance(v, bool)}
-    saved = {"tri": copy.deepcopy(settings), "model": {}}
+    saved = {"tri": launch_settings(), "model": {}}
     times: dict[str, list[float]] = {v: [] for v in a.variant}
     moe: dict[str, list[float]] = {v: [] for v in a.variant}
     cap = a.prompt + a.steps + 2

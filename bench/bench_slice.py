@@ -174,6 +174,17 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
+def launch_settings() -> dict:
+    """A deep copy of cdna2_engine.ops.triton's launch settings (its upper-case dicts and integers): what
+    apply_overrides changes, to be set back after a variant."""
+    import copy
+
+    from cdna2_engine.ops import triton as tri
+
+    return {k: copy.deepcopy(v) for k, v in vars(tri).items()
+            if k.isupper() and not k.startswith("_") and isinstance(v, (dict, int)) and not isinstance(v, bool)}
+
+
 def apply_overrides(items: list[str]) -> dict:
     """TABLE.KEY=VALUE (a Python literal) into cdna2_engine.ops.triton's launch tables (FP8_STREAM, MOE_STREAM,
     ...), or NAME=VALUE into one of its integer settings (ATTN_CHUNK, ...), for trying a variant without editing

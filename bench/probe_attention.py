@@ -2,18 +2,18 @@
 (one token; window 128 + a CSA layer's entries with 512 picked, at several contexts) and prefill (every
 position; window 128 + entries visible by position, all picked while fewer than 512). `--old FILE` times a
 second kernels module (e.g. `git show HEAD~1:engine/ops/triton/kernels.py > old.py`) beside the current one, in
-the same process; `--variant NAME=VALUE` the current one with a launch setting of cdna2_engine.ops.triton changed
-(a Python literal; ';' between several: "ATTN_GATHER_KEYS=0;ATTN_SCAN=128"). Every variant must agree
+the same process; `--variant` the current one with launch settings changed (bench_slice.py's --set items,
+';' between several: "ATTN_GATHER_KEYS=0;ATTN_WIDE.num_warps=4"). Every variant must agree
 with the current one (rel. Frobenius <= 1e-2, bench_kernels.check: bf16 outputs; a non-zero exit names a failed
 case). The current kernel against float64 is the suite's and bench_kernels.py's.
 
-    python bench/probe_attention.py [--old old.py] [--variant ATTN_GATHER_KEYS=0 ...] [--out DIR]   # GPU, ~1 min
+    python bench/probe_attention.py [--old old.py] [--variant "ATTN_SCAN=256" ...] [--out DIR]   # GPU, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import copy
 import importlib.util
 import os
 import sys
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_kernels as B  # noqa: E402
+from bench_slice import apply_overrides, launch_settings  # noqa: E402
 
 tri = B.tri
 
@@ -53,24 +54,29 @@ def prefill_case(s: int, g: torch.Generator) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", help="a second kernels module to time beside the current one")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
-                    help="also time the current kernels with these launch settings (Python literals, ';' between)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="also time the current kernels with these launch settings (bench_slice.py's --set items, "
+                         "';' between)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    mods = {"current": (tri._compiled, {})}
+    mods = {"current": (tri._compiled, [])}
     for variant in a.variant:
-        settings = {}
-        for item in variant.split(";"):
-            name, _, value = item.partition("=")
-            if not hasattr(tri, name):
-                raise SystemExit(f"--variant {item!r}: {name} is not a setting of cdna2_engine.ops.triton")
-            settings[name] = ast.literal_eval(value)
-        mods[variant] = (tri._compiled, settings)
+        mods[variant] = (tri._compiled, [i.strip() for i in variant.split(";") if i.strip()])
     if a.old:
         spec = importlib.util.spec_from_file_location("old_kernels", a.old)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-        mods["old"] = (old, {})
+        mods["old"] = (old, [])
+    defaults = launch_settings()
+
+    def restore() -> None:
+        tri._compiled = mods["current"][0]
+        for k, v in copy.deepcopy(defaults).items():
+            setattr(tri, k, v)
+
+    for _, items in mods.values():  # a bad setting stops the probe before any timing
+        apply_overrides(items)
+        restore()
     g = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     cases = [(f"decode ctx {c}", decode_case(c, g)) for c in (1024, 8192, 16384, 32768, 65536)]
@@ -84,19 +90,15 @@ def main() -> None:
         m = mask.to(dev)
         row = {"case": name, "queries": s, "keys": ln, "visible_frac": round(float(mask.float().mean()), 4)}
         outs = {}
-        for label, (mod, settings) in mods.items():
-            saved = {k: getattr(tri, k) for k in settings}
+        for label, (mod, items) in mods.items():
             tri._compiled = mod
             try:
-                for k, v in settings.items():
-                    setattr(tri, k, v)
+                apply_overrides(items)
                 outs[label] = tri.attention(q[0], kv[0], sink, m, D**-0.5).float()
                 call = lambda q, kv, sink=sink, m=m: tri.attention(q, kv, sink, m, D**-0.5)  # noqa: E731
                 row[f"{label}_us"] = round(B.time_graph_ms(call, list(zip(q, kv, strict=True)), 20) * 1e3, 2)
             finally:
-                tri._compiled = mods["current"][0]
-                for k, v in saved.items():
-                    setattr(tri, k, v)
+                restore()
         for label in outs.keys() - {"current"}:
             row[f"rel_{label}"] = float((outs[label] - outs["current"]).norm() / outs["current"].norm())
             B.check(results, f"{name} {label}", row[f"rel_{label}"])
