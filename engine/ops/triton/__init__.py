@@ -1138,6 +1138,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 # Attention, indexer
 
 
+def _attention_tiles(launch: _Launch, device: torch.device, d: int) -> tuple[dict, dict]:
+    """(unsplit, split) programs' tiles: ATTN_WIDE and ATTN_WIDE_SPLIT for heads over 256 wide on a GPU (with
+    ATTN_WIDE_ROCM on ROCm); narrower heads, and the CPU interpreter, one tile for both."""
+    if d <= 256:
+        return ({"BLOCK_H": 32, "BLOCK_L": 16 if launch.cpu else 32, "num_warps": 4},) * 2
+    if launch.cpu:
+        return ({"BLOCK_H": 16, "BLOCK_L": 16, "num_warps": 4},) * 2
+    rocm = ATTN_WIDE_ROCM if _rocm(device) else {}
+    return {**ATTN_WIDE, **rocm}, {**ATTN_WIDE_SPLIT, **rocm}
+
+
 def attention(
     q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, mask: torch.Tensor, scale: float,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1156,11 +1167,7 @@ def attention(
     o = _empty(*q.shape, dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     launch = _Launch(q)
-    whole = parts = {"BLOCK_H": 32, "BLOCK_L": 16 if launch.cpu else 32, "num_warps": 4}  # unsplit, split tiles
-    if d > 256:
-        rocm = ATTN_WIDE_ROCM if _rocm(q.device) else {}
-        whole, parts = ({**ATTN_WIDE, **rocm}, {**ATTN_WIDE_SPLIT, **rocm}) if not launch.cpu else (
-            {"BLOCK_H": 16, "BLOCK_L": 16},) * 2
+    whole, parts = _attention_tiles(launch, q.device, d)
     few = b * s * triton_cdiv(h, min(_pow2(h), whole["BLOCK_H"])) < MIN_PROGRAMS // 2  # too few to fill the GPU
     chunk = ATTN_CHUNK or 256
     if few and not ATTN_CHUNK:  # split the keys into enough programs, at most 256 keys each
@@ -1175,7 +1182,7 @@ def attention(
     args = (q, kv, sink.contiguous().float(), m8, o, s, h, ln, d, float(scale),
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), m8.stride(0), m8.stride(1),
             o.stride(0), o.stride(1), o.stride(2))
-    meta = dict(BLOCK_H=bh, BLOCK_L=tile["BLOCK_L"], BLOCK_D=_pow2(d), IEEE=ieee, num_warps=tile.get("num_warps", 4))
+    meta = dict(BLOCK_H=bh, BLOCK_L=tile["BLOCK_L"], BLOCK_D=_pow2(d), IEEE=ieee, num_warps=tile["num_warps"])
     rot = {}
     if rotary is not None:
         cos, sin = rotary
