@@ -1,4 +1,4 @@
-"""FP8 block-scaled GEMMs at prefill sizes (`fp8_matmul_kernel`, tokens x the slice's FP8 weights, bf16 x): GPU
+"""FP8 block-scaled GEMMs at prefill sizes (`matmul_kernel`, tokens x the slice's FP8 weights, bf16 x): GPU
 time per FP8_DOT tile (BLOCK_M on CUDA, BLOCK_N, BLOCK_K, warps, stages), every output checked against float64 on
 every 37th row and the last (each 128-row block and a ragged tail; rel. Frobenius <= 1e-2, bench_kernels.check:
 the bf16 output's rounding is ~3e-3), TFLOP/s against the ~790 of bf16 dots (KINDS.md). One input set: at these

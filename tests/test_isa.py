@@ -21,7 +21,7 @@ def test_every_kernel_compiles_for_both_targets(audits):
 
     names = {spec[0] for spec in ISA_SPECS}
     sm90_only = {spec[0] for spec in ISA_SPECS_SM90}
-    assert {"fp8_matmul", "fp8_stream", "moe_gate_up_dot", "moe_down_dot", "moe_gate_up_stream",
+    assert {"fp8_matmul", "dense_matmul", "fp8_stream", "moe_gate_up_dot", "moe_down_dot", "moe_gate_up_stream",
             "moe_down_stream", "attention", "index_scores"} <= names
     assert "fp8_stream_hw" in sm90_only and not names & sm90_only
     assert {(a.name, a.target) for a in audits} == (
@@ -65,7 +65,7 @@ def test_bad_spec_is_reported():
 
     sig, const = next(s[2] for s in k.ISA_SPECS if s[0] == "fp8_matmul")
     big = dict(const, BLOCK_M=256, BLOCK_N=256, BLOCK_K=128)
-    a = isa.audit_kernel("fp8_matmul_huge", k.fp8_matmul_kernel, sig, big, 4, True)
+    a = isa.audit_kernel("fp8_matmul_huge", k.matmul_kernel, sig, big, 4, True)
     assert a.violations(), a.row()
 
 

@@ -62,6 +62,26 @@ def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkey
     assert calls == []
 
 
+@pytest.mark.parametrize("lead, n, k", [((2, 20), 130, 300), ((17,), 64, 128)])
+def test_dense_linear_at_prefill_sizes_takes_the_tile_kernel(lead, n, k, monkeypatch):
+    """Above DENSE_GEMV_MAX_M rows, 16-bit x with W of its dtype runs matmul_kernel (ragged row, column and K
+    tiles here), within fp16's output rounding (<= 2^-11 relative) plus fp32 sums of float64: 1e-3. fp32 logits,
+    fp32 x and W of another dtype keep the reference."""
+    taken = []
+    real = tri._tile_matmul
+    monkeypatch.setattr(tri, "_tile_matmul", lambda *a: taken.append(a[1].shape) or real(*a))
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(*lead, k, generator=g).half()
+    w = QWeight((torch.randn(n, k, generator=g) / k**0.5).half(), None, "dense")
+    y = tri.linear(x, w)
+    assert taken == [(n, k)] and y.shape == (*lead, n) and y.dtype == torch.float16
+    assert rel(y, ref.linear(x.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-3
+    tri.linear(x, w, torch.float32)
+    tri.linear(x.float(), w)
+    tri.linear(x, QWeight(w.data.float(), None, "dense"))
+    assert taken == [(n, k)]
+
+
 @pytest.mark.parametrize("parts, exact", [(4, True), (3, True), (2, False)])
 def test_x_parts_sum_to_x(parts, exact):
     """dense_mma's premise: bf16 parts whose sum is x, so their products with bf16 W are exact. Three hold any
@@ -113,6 +133,23 @@ def test_dense_mma_takes_the_head_on_a_gpu(dtype, m, monkeypatch):
     assert not torch.isnan(y).any()
     assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
     assert torch.equal(tri.linear(x, w, torch.float32), y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
+@pytest.mark.parametrize("m", [17, 300, 1024])
+def test_dense_tile_takes_a_prefill_on_a_gpu(m, monkeypatch):
+    """A CSA compressor's joined bf16 W (2048 x 4096) at prefill rows runs matmul_kernel: within bf16's output
+    rounding (<= 2^-8 relative) of float64, and the same bits on a second call."""
+    taken = []
+    real = tri._tile_matmul
+    monkeypatch.setattr(tri, "_tile_matmul", lambda *a: taken.append(a[0].shape) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+    w = QWeight((torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16(), None, "dense")
+    y = tri.linear(x, w)
+    assert taken == [(m, 1, 4096)]
+    assert rel(y, x.double() @ w.data.double().T) <= 2.0**-8
+    assert torch.equal(tri.linear(x, w), y)
 
 
 def _hc_case(g: torch.Generator, n: int, d: int, dtype: torch.dtype) -> tuple:

@@ -165,7 +165,10 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # probe_fp8_prefill.py, NOTES runs 148-149), the slice's 7 FP8 weights at 1024 / 4096 tokens: 1617 / 6050 us at
 # 64 x 128 x 128 -> 1189 / 4466 us at 128 x 128 x 64 (165-197 -> 235-267 TFLOP/s). On gfx90a, BLOCK_M stays 64
 # (untuned there; BLOCK_K 64 halves the tile's LDS from run 134's 64 KiB). The hardware E4M3 conversion was slower
-# than the bit decode in this kernel (409 against 382 us on wq_b at 1024 tokens).
+# than the bit decode in this kernel (409 against 382 us on wq_b at 1024 tokens). With the block scales applied in
+# the decode (run 169): 1183 / 4445 -> 945 / 3190 us (335-380 TFLOP/s at 4096 tokens); with that, the decoded tile
+# as wgmma's register operand (acc^T = tile @ x^T, the MoE dots' SWAP), 128-wide K steps, 256-wide row tiles or 4
+# stages were no faster.
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "BLOCK_M_CUDA": 128}
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
 # Tokens padded to 16-, 32-, 64- or 128-row blocks (`moe_prepare`). The H200 (bench/probe_moe_prefill.py, NOTES runs
@@ -306,19 +309,30 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
                SPLITP=_pow2(split, 1), LOCAL=local, num_warps=c["num_warps"], **norm)
     else:
-        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        if m > 64 and _ptx(x):
-            bm = cfg.get("BLOCK_M_CUDA", 64)
-        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-        if 128 % bk:
-            raise ValueError(f"FP8_DOT BLOCK_K={bk} straddles the 128-column scale blocks: set a divisor of 128")
-        while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
-            bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
-        grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
-        launch("fp8_matmul_kernel", grid, *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-               IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _tile_matmul(x, wd, sd, y)
     return y
+
+
+def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y [M, G, R] = x [M, G, K] @ W^T group by group on tl.dot (`matmul_kernel`, FP8_DOT's tiles): W FP8 bytes
+    with their block scales sd, or unquantized (sd None) in a dtype x's dot holds exactly."""
+    m, g, k = x.shape
+    r = y.shape[-1]
+    launch = _Launch(x)
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if m > 64 and _ptx(x):
+        bm = cfg.get("BLOCK_M_CUDA", 64)
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if 128 % bk:
+        raise ValueError(f"FP8_DOT BLOCK_K={bk} straddles the 128-column scale blocks: set a divisor of 128")
+    while not launch.cpu and bn > 32 and triton_cdiv(r, bn) * triton_cdiv(m, bm) * g < MIN_PROGRAMS:
+        bn //= 2  # e.g. the grouped wo_a: 8 groups x 1024 rows are only 64 programs at BLOCK_N 128
+    grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
+    launch("matmul_kernel", grid, x, wd, wd if sd is None else sd, y, m, r, k, x.stride(0), x.stride(1),
+           wd.stride(0), 0 if sd is None else sd.stride(0), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
+           BLOCK_K=bk, IEEE=x.dtype == torch.float32, SCALED=sd is not None, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
 
 
 @functools.cache
@@ -381,6 +395,10 @@ def linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype | None = None,
             return _dense_mma(x2.contiguous(), w.data, out_dtype or x.dtype).reshape(*lead, -1)
         if x2.shape[0] <= DENSE_GEMV_MAX_M:
             return _dense_linear(x, w, out_dtype or x.dtype)
+        if _dense_tile_on(x2, w.data, out_dtype or x.dtype):
+            y = _empty(x2.shape[0], 1, w.data.shape[0], dtype=x.dtype, device=x.device)
+            _tile_matmul(x2.contiguous().unsqueeze(1), w.data, None, y)
+            return y.reshape(*lead, -1)
     if w.kind != "fp8" or _use_reference(x):
         return _ref.linear(x, w, out_dtype)
     y = _fp8_grouped(x.reshape(-1, 1, x.shape[-1]).contiguous(), w, 1, out_dtype, x_norm, glu)
@@ -663,7 +681,8 @@ def moe_experts(
 # Unquantized linear at decode sizes, mHC split
 
 # A wide bf16 W on a GPU takes DENSE_MMA below at 2+ rows (the head at 2-16 fp32 rows: 264-278 us, NOTES run 112).
-# Otherwise, above DENSE_GEMV_MAX_M rows the reference (one float32 copy of W, then a cuBLAS GEMM) takes over: the
+# Above DENSE_GEMV_MAX_M rows, the tile kernel takes 16-bit x with W of its dtype (`_dense_tile_on`), and the
+# reference (one float32 copy of W, then a cuBLAS GEMM) everything else; against the reference: the
 # H200's head (1.06 GB bf16) at 4 / 8 / 16 / 32 rows streamed 446 / 829 / 1527 / 2981 us, by the reference 2185 /
 # 2431 / 2452 / 2855 us (NOTES run 107; the stream's time grows with the rows: its products, not W's bytes, bind it
 # there). The crossover lies between 16 and 32 rows; 16 is the last measured win.
@@ -676,6 +695,15 @@ DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
 # a program, K in steps of at most ELEMS values over the tile (all of K in one load for one row up to K = 4096),
 # no split sum (a K split adds two L2 round trips; at a decode step these GEMVs are latency, not bandwidth: run 42)
 DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, "num_warps": 4}
+
+
+def _dense_tile_on(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Many rows of 16-bit x against W of x's dtype, out in x's dtype, on the tile kernel (the compressors at a
+    prefill: 4.9 of the 4096-token slice prefill's 65 ms went to a float32 copy of W and a cuBLAS float32 GEMM, NOTES
+    run 170). The dot's products are exact and its fp32 sums lose less than the output's rounding; fp32 outputs
+    (router and indexer logits) keep the reference's IEEE sums, and fp32 x the reference's faster cuBLAS GEMM."""
+    return (x2.dtype in (torch.bfloat16, torch.float16) and wd.dtype == x2.dtype and out_dtype == x2.dtype
+            and wd.stride(-1) == 1)
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:

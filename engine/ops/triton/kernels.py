@@ -35,12 +35,13 @@ def _e8m0(s_u8, EXTRA: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_f32(b_u8):
-    """E4M3 byte -> its exact fp32 value: bits s|eeee|mmm placed at 31|26..23|22..20 give value * 2^-120
-    (e = 0 codes land on fp32 subnormals, which both targets keep), times 2^120 (exact)."""
+def _e4m3_f32(b_u8, scale=1.0):
+    """E4M3 byte -> its exact fp32 value (times scale, a power of two: still exact): bits s|eeee|mmm placed at
+    31|26..23|22..20 give value * 2^-120 (e = 0 codes land on fp32 subnormals, which both targets keep), times
+    2^120 (exact), one multiply for both."""
     b = b_u8.to(tl.uint32)
     f = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-    return f * 1.329227995784916e36  # 2^120
+    return f * (scale * 1.329227995784916e36)  # 2^120
 
 
 @triton.jit
@@ -57,13 +58,17 @@ def _e2m1_f32(c):
 
 
 @triton.jit
-def fp8_matmul_kernel(
+def matmul_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, R, K,
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    SCALED: tl.constexpr = True,
 ):
-    """Prefill path: decoded tile fed to tl.dot (MFMA / tensor cores); per-block scale on the fp32 partial."""
+    """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers with
+    each row's block scale (a power of two) applied in the decode, exactly, so the dot accumulates over all of K
+    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169, and twice the VGPRs
+    on gfx90a); else W is unquantized, in a dtype x's dot holds exactly."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.program_id(2)
@@ -82,13 +87,15 @@ def fp8_matmul_kernel(
         k_ok = kk < K
         x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wb = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0)
-        w = _e4m3_f32(wb).to(x.dtype)  # exact E4M3 value, a normal number or zero
-        if IEEE:
-            part = tl.dot(x, w, input_precision="ieee")
+        if SCALED:
+            sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
+            w = _e4m3_f32(wb, sc[None, :]).to(x.dtype)  # the dequantized weight, as the reference's (exact)
         else:
-            part = tl.dot(x, w)
-        sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
-        acc += part * sc[None, :]
+            w = wb.to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
@@ -1911,8 +1918,11 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_stream_rows", fp8_stream_kernel,  # gfx90a's E4M3 bit decode, per-row scales, split K
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4, LOCAL=16),
      4, False),
-    ("fp8_matmul", fp8_matmul_kernel,  # FP8_DOT as gfx90a runs a long prefill (64 rows a program)
+    ("fp8_matmul", matmul_kernel,  # FP8_DOT as gfx90a runs a long prefill (64 rows a program)
      _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8, True),
+    ("dense_matmul", matmul_kernel,  # the compressors' bf16 W at a long prefill
+     _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*u8 *u8", "*bf16 *bf16"), BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+          IEEE=False, SCALED=False), 8, True),
     ("moe_gate_up_dot", moe_gate_up_kernel,
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
     ("moe_down_dot", moe_down_kernel,
