@@ -82,6 +82,20 @@ def test_dense_linear_at_prefill_sizes_takes_the_tile_kernel(lead, n, k, monkeyp
     assert taken == [(n, k)]
 
 
+def test_tile_matmul_dots_fp32_x_in_parts():
+    """fp32 x against narrower W (bf16 on a GPU: the head at a prefill; fp16 here, the interpreter has no bf16) is
+    dotted as three parts of W's dtype: within 1e-5 of float64 (fp32 sums; x rounded to fp16 whole would be
+    ~2^-11 off), rows 2^-6..2^6 apart, ragged tiles."""
+    g = torch.Generator().manual_seed(5)
+    m, n, k = 37, 70, 200
+    x = torch.randn(m, k, generator=g) * torch.logspace(-1.8, 1.8, m)[:, None]
+    w = (torch.randn(n, k, generator=g) / k**0.5).half()
+    y = torch.full((m, 1, n), float("nan"))
+    tri._tile_matmul(x.unsqueeze(1), w, None, y)
+    want = x.double() @ w.double().T
+    assert ((y[:, 0].double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
+
+
 @pytest.mark.parametrize("parts, exact", [(4, True), (3, True), (2, False)])
 def test_x_parts_sum_to_x(parts, exact):
     """dense_mma's premise: bf16 parts whose sum is x, so their products with bf16 W are exact. Three hold any
@@ -136,19 +150,25 @@ def test_dense_mma_takes_the_head_on_a_gpu(dtype, m, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
-@pytest.mark.parametrize("m", [17, 300, 1024])
-def test_dense_tile_takes_a_prefill_on_a_gpu(m, monkeypatch):
-    """A CSA compressor's joined bf16 W (2048 x 4096) at prefill rows runs matmul_kernel: within bf16's output
-    rounding (<= 2^-8 relative) of float64, and the same bits on a second call."""
+@pytest.mark.parametrize("dtype, m", [(torch.bfloat16, 17), (torch.bfloat16, 300), (torch.bfloat16, 1024),
+                                      (torch.float32, 17), (torch.float32, 1024)])
+def test_dense_tile_takes_a_prefill_on_a_gpu(dtype, m, monkeypatch):
+    """bf16 W of 2048 x 4096 (a CSA compressor's joined W; for fp32 x, the head's form) at prefill rows runs
+    matmul_kernel: bf16 x within bf16's output rounding (<= 2^-8 relative) of float64, fp32 x (dotted in three
+    bf16 parts) each row within 1e-5 (fp32 sums, as dense_mma), and the same bits on a second call."""
     taken = []
     real = tri._tile_matmul
     monkeypatch.setattr(tri, "_tile_matmul", lambda *a: taken.append(a[0].shape) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+    x = torch.randn(m, 4096, device="cuda", generator=g).to(dtype)
     w = QWeight((torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16(), None, "dense")
     y = tri.linear(x, w)
-    assert taken == [(m, 1, 4096)]
-    assert rel(y, x.double() @ w.data.double().T) <= 2.0**-8
+    assert taken == [(m, 1, 4096)] and y.dtype == dtype
+    want = x.double() @ w.data.double().T
+    if dtype == torch.bfloat16:
+        assert rel(y, want) <= 2.0**-8
+    else:
+        assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 1e-5
     assert torch.equal(tri.linear(x, w), y)
 
 

@@ -315,8 +315,11 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
 
 def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: torch.Tensor) -> None:
     """y [M, G, R] = x [M, G, K] @ W^T group by group on tl.dot (`matmul_kernel`, FP8_DOT's tiles): W FP8 bytes
-    with their block scales sd, or unquantized (sd None) in a dtype x's dot holds exactly."""
+    with their block scales sd, or unquantized (sd None) in x's dtype, or narrower than fp32 x (x then dotted as
+    three parts of W's dtype)."""
     m, g, k = x.shape
+    parts = 3 if sd is None and wd.dtype != x.dtype else 1
+    dot_dtype = x.dtype if parts == 1 else wd.dtype
     r = y.shape[-1]
     launch = _Launch(x)
     cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1} if launch.cpu else FP8_DOT
@@ -331,8 +334,8 @@ def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: 
     grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
     launch("matmul_kernel", grid, x, wd, wd if sd is None else sd, y, m, r, k, x.stride(0), x.stride(1),
            wd.stride(0), 0 if sd is None else sd.stride(0), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_K=bk, IEEE=x.dtype == torch.float32, SCALED=sd is not None, num_warps=cfg["num_warps"],
-           num_stages=cfg["num_stages"])
+           BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, PARTS=parts,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 @functools.cache
@@ -698,12 +701,16 @@ DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, 
 
 
 def _dense_tile_on(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Many rows of 16-bit x against W of x's dtype, out in x's dtype, on the tile kernel (the compressors at a
-    prefill: 4.9 of the 4096-token slice prefill's 65 ms went to a float32 copy of W and a cuBLAS float32 GEMM, NOTES
-    run 170). The dot's products are exact and its fp32 sums lose less than the output's rounding; fp32 outputs
-    (router and indexer logits) keep the reference's IEEE sums, and fp32 x the reference's faster cuBLAS GEMM."""
-    return (x2.dtype in (torch.bfloat16, torch.float16) and wd.dtype == x2.dtype and out_dtype == x2.dtype
-            and wd.stride(-1) == 1)
+    """Many rows on the tile kernel, every product exact, output in x's dtype: 16-bit x against W of its dtype (the
+    compressors at a prefill: 4.9 of the 4096-token slice prefill's 65 ms went to a float32 copy of W and a cuBLAS
+    float32 GEMM, NOTES run 170), and fp32 x against bf16 W in parts (the head when every position's logits are
+    asked for, on a GPU; NOTES run 171). 16-bit x with fp32 logits (the router's and the indexer's, which feed
+    top-k selections) and fp32 W keep the reference's IEEE sums."""
+    if wd.stride(-1) != 1 or out_dtype != x2.dtype:
+        return False
+    if x2.dtype == torch.float32:
+        return wd.dtype == torch.bfloat16  # (never on the CPU: its interpreter has no bf16)
+    return x2.dtype in (torch.bfloat16, torch.float16) and wd.dtype == x2.dtype
 
 
 def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:

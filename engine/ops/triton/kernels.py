@@ -63,12 +63,16 @@ def matmul_kernel(
     M, R, K,
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SCALED: tl.constexpr = True,
+    SCALED: tl.constexpr = True, PARTS: tl.constexpr = 1,
 ):
     """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers with
     each row's block scale (a power of two) applied in the decode, exactly, so the dot accumulates over all of K
     in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169, and twice the VGPRs
-    on gfx90a); else W is unquantized, in a dtype x's dot holds exactly."""
+    on gfx90a); else W is unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower
+    dtype, each x tile cut into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every
+    product is exact (dense_mma's form, at prefill rows); each step's dots start from zero and are added to acc
+    on the FMA units (carried through the tensor cores, the small parts' low bits went: 1.5e-5 from float64 on
+    the H200 at K 4096, NOTES run 171)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.program_id(2)
@@ -90,12 +94,25 @@ def matmul_kernel(
         if SCALED:
             sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
             w = _e4m3_f32(wb, sc[None, :]).to(x.dtype)  # the dequantized weight, as the reference's (exact)
-        else:
+        elif PARTS == 1:
             w = wb.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
+            w = wb
+        if PARTS == 1:
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        else:  # this step's parts summed from zero, then added on the FMA units (promotion, as hc_mix_dot)
+            step = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for _ in tl.static_range(PARTS):  # the top 8 significant bits of what is left of x: exact in W's dtype
+                xp = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                x = x - xp
+                if IEEE:
+                    step = tl.dot(xp.to(w.dtype), w, step, input_precision="ieee")
+                else:
+                    step = tl.dot(xp.to(w.dtype), w, step)
+            acc += step
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
@@ -1923,6 +1940,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("dense_matmul", matmul_kernel,  # the compressors' bf16 W at a long prefill
      _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*u8 *u8", "*bf16 *bf16"), BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
           IEEE=False, SCALED=False), 8, True),
+    ("dense_matmul_parts", matmul_kernel,  # the head at a prefill with every position's logits: fp32 x, bf16 W
+     _sig(_FP8_ARGS[0], "*fp32 *bf16 *bf16 *fp32 " + _FP8_ARGS[1].split(" ", 4)[4], BLOCK_M=64, BLOCK_N=128,
+          BLOCK_K=64, IEEE=False, SCALED=False, PARTS=3), 8, True),
     ("moe_gate_up_dot", moe_gate_up_kernel,
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
     ("moe_down_dot", moe_down_kernel,
