@@ -67,12 +67,12 @@ def matmul_kernel(
 ):
     """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers with
     each row's block scale (a power of two) applied in the decode, exactly, so the dot accumulates over all of K
-    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169, and twice the VGPRs
-    on gfx90a); else W is unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower
-    dtype, each x tile cut into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every
-    product is exact (dense_mma's form, at prefill rows); each step's dots start from zero and are added to acc
-    on the FMA units (carried through the tensor cores, the small parts' low bits went: 1.5e-5 from float64 on
-    the H200 at K 4096, NOTES run 171)."""
+    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169); else W is
+    unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
+    into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every product is exact
+    (dense_mma's form, at prefill rows); each step's dots start from zero and are added to acc on the FMA units
+    (carried through the tensor cores, the small parts' low bits went: 1.5e-5 from float64 on the H200 at K 4096,
+    NOTES run 171)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.program_id(2)
@@ -82,8 +82,9 @@ def matmul_kernel(
     rows = g * R + offs_r
     m_ok = offs_m < M
     r_ok = offs_r < R
-    x_base = x_ptr + g * stride_xg + offs_m[:, None] * stride_xm
-    w_base = w_ptr + rows[None, :] * stride_wn  # [1, BN]: tile loaded as [BK, BN]
+    m64 = offs_m.to(tl.int64)[:, None]  # every position's logits pass 2^31 elements from 16.6K rows
+    x_base = x_ptr + g * stride_xg + m64 * stride_xm
+    w_base = w_ptr + rows.to(tl.int64)[None, :] * stride_wn  # [1, BN]: tile loaded as [BK, BN]
     s_base = s_ptr + (rows // 128) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -113,7 +114,7 @@ def matmul_kernel(
                 else:
                     step = tl.dot(xp.to(w.dtype), w, step)
             acc += step
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
+    y_ptrs = y_ptr + m64 * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
