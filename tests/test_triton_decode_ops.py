@@ -82,6 +82,21 @@ def test_dense_linear_at_prefill_sizes_takes_the_tile_kernel(lead, n, k, monkeyp
     assert taken == [(n, k)]
 
 
+def test_dense_tile_routing():
+    """Which dense linears above DENSE_GEMV_MAX_M rows take the tile kernel (`_dense_tile_on`, shapes and dtypes
+    only: meta tensors): 16-bit x with W and output of its dtype; fp32 x in parts only against a wide bf16 W (the
+    head); the router's fp32 logits from bf16 x or from fp32 x (its W is narrow) keep the reference."""
+    def on(x_dtype, w_dtype, out_dtype, n=256, k=4096):
+        x = torch.empty(40, k, dtype=x_dtype, device="meta")
+        return tri._dense_tile_on(x, torch.empty(n, k, dtype=w_dtype, device="meta"), out_dtype)
+
+    bf, h, f = torch.bfloat16, torch.float16, torch.float32
+    assert on(bf, bf, bf) and on(h, h, h) and on(f, bf, f, n=129280)
+    assert not on(bf, bf, f)  # the router's logits in a bf16 run
+    assert not on(f, bf, f)  # the router in a float32 run
+    assert not on(f, f, f, n=129280) and not on(h, bf, h) and not on(bf, f, bf)
+
+
 def test_tile_matmul_dots_fp32_x_in_parts():
     """fp32 x against narrower W (bf16 on a GPU: the head at a prefill; fp16 here, the interpreter has no bf16) is
     dotted as three parts of W's dtype: within 1e-5 of float64 (fp32 sums; x rounded to fp16 whole would be
@@ -153,15 +168,16 @@ def test_dense_mma_takes_the_head_on_a_gpu(dtype, m, monkeypatch):
 @pytest.mark.parametrize("dtype, m", [(torch.bfloat16, 17), (torch.bfloat16, 300), (torch.bfloat16, 1024),
                                       (torch.float32, 17), (torch.float32, 1024)])
 def test_dense_tile_takes_a_prefill_on_a_gpu(dtype, m, monkeypatch):
-    """bf16 W of 2048 x 4096 (a CSA compressor's joined W; for fp32 x, the head's form) at prefill rows runs
-    matmul_kernel: bf16 x within bf16's output rounding (<= 2^-8 relative) of float64, fp32 x (dotted in three
-    bf16 parts) each row within 1e-5 (fp32 sums, as dense_mma), and the same bits on a second call."""
+    """bf16 W of 4096 columns at prefill rows runs matmul_kernel: bf16 x (a CSA compressor's joined W, 2048 rows)
+    within bf16's output rounding (<= 2^-8 relative) of float64; fp32 x (a wide W, the head's form, 8195 rows;
+    dotted in three bf16 parts) each row within 1e-5 (fp32 sums, as dense_mma); the same bits on a second call."""
     taken = []
     real = tri._tile_matmul
     monkeypatch.setattr(tri, "_tile_matmul", lambda *a: taken.append(a[0].shape) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, 4096, device="cuda", generator=g).to(dtype)
-    w = QWeight((torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16(), None, "dense")
+    n = 2048 if dtype == torch.bfloat16 else 8195
+    w = QWeight((torch.randn(n, 4096, device="cuda", generator=g) / 64).bfloat16(), None, "dense")
     y = tri.linear(x, w)
     assert taken == [(m, 1, 4096)] and y.dtype == dtype
     want = x.double() @ w.data.double().T

@@ -334,7 +334,8 @@ def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: 
     grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
     launch("matmul_kernel", grid, x, wd, wd if sd is None else sd, y, m, r, k, x.stride(0), x.stride(1),
            wd.stride(0), 0 if sd is None else sd.stride(0), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, PARTS=parts,
+           BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, FOLD=x.dtype != torch.float16,
+           PARTS=parts,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -703,13 +704,15 @@ DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, 
 def _dense_tile_on(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Many rows on the tile kernel, every product exact, output in x's dtype: 16-bit x against W of its dtype (the
     compressors at a prefill: 4.9 of the 4096-token slice prefill's 65 ms went to a float32 copy of W and a cuBLAS
-    float32 GEMM, NOTES run 170), and fp32 x against bf16 W in parts (the head when every position's logits are
-    asked for, on a GPU; NOTES run 171). 16-bit x with fp32 logits (the router's and the indexer's, which feed
-    top-k selections) and fp32 W keep the reference's IEEE sums."""
+    float32 GEMM, NOTES run 170), and finite fp32 x against a wide bf16 W (DENSE_MMA's: the head, when every
+    position's logits are asked for, NOTES run 171) in parts. The router's and the indexer's fp32 logits, which
+    feed top-k selections, keep the reference's IEEE sums (from 16-bit x, and from fp32 x: their W are narrow),
+    as does fp32 W."""
     if wd.stride(-1) != 1 or out_dtype != x2.dtype:
         return False
-    if x2.dtype == torch.float32:
-        return wd.dtype == torch.bfloat16  # (never on the CPU: its interpreter has no bf16)
+    if x2.dtype == torch.float32:  # (never on the CPU: its interpreter has no bf16)
+        return wd.dtype == torch.bfloat16 and (wd.shape[0] > DENSE_GEMV_NARROW["MAX_N"]
+                                               or x2.shape[-1] > DENSE_GEMV_NARROW["MAX_K"])
     return x2.dtype in (torch.bfloat16, torch.float16) and wd.dtype == x2.dtype
 
 

@@ -35,13 +35,12 @@ def _e8m0(s_u8, EXTRA: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_f32(b_u8, scale=1.0):
-    """E4M3 byte -> its exact fp32 value (times scale, a power of two: still exact): bits s|eeee|mmm placed at
-    31|26..23|22..20 give value * 2^-120 (e = 0 codes land on fp32 subnormals, which both targets keep), times
-    2^120 (exact), one multiply for both."""
+def _e4m3_f32(b_u8):
+    """E4M3 byte -> its exact fp32 value: bits s|eeee|mmm placed at 31|26..23|22..20 give value * 2^-120
+    (e = 0 codes land on fp32 subnormals, which both targets keep), times 2^120 (exact)."""
     b = b_u8.to(tl.uint32)
     f = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-    return f * (scale * 1.329227995784916e36)  # 2^120
+    return f * 1.329227995784916e36  # 2^120
 
 
 @triton.jit
@@ -63,12 +62,14 @@ def matmul_kernel(
     M, R, K,
     stride_xm, stride_xg, stride_wn, stride_sn, stride_ym, stride_yg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SCALED: tl.constexpr = True, PARTS: tl.constexpr = 1,
+    SCALED: tl.constexpr = True, FOLD: tl.constexpr = True, PARTS: tl.constexpr = 1,
 ):
-    """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers with
+    """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers; FOLD
+    (bf16 and fp32 x, whose exponent range holds any E4M3 value times any UE8M0 scale the reference's fp32 does):
     each row's block scale (a power of two) applied in the decode, exactly, so the dot accumulates over all of K
-    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169); else W is
-    unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
+    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169); fp16 x keeps that
+    (E4M3 values are exact in fp16, times a scale below 2^-15 they are not). Else W is unquantized, in a dtype
+    x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
     into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every product is exact
     (dense_mma's form, at prefill rows); each step's dots start from zero and are added to acc on the FMA units
     (carried through the tensor cores, the small parts' low bits went: 1.5e-5 from float64 on the H200 at K 4096,
@@ -94,12 +95,17 @@ def matmul_kernel(
         wb = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0)
         if SCALED:
             sc = _e8m0(tl.load(s_base + k0 // 128, mask=r_ok, other=127), 0)
-            w = _e4m3_f32(wb, sc[None, :]).to(x.dtype)  # the dequantized weight, as the reference's (exact)
+            if FOLD:  # the dequantized weight, as the reference's (two exact multiplies: 2^120 * sc may overflow)
+                w = (_e4m3_f32(wb) * sc[None, :]).to(x.dtype)
+            else:
+                w = _e4m3_f32(wb).to(x.dtype)
         elif PARTS == 1:
             w = wb.to(x.dtype)
         else:
             w = wb
-        if PARTS == 1:
+        if SCALED and not FOLD:
+            acc += tl.dot(x, w, input_precision="ieee" if IEEE else None) * sc[None, :]
+        elif PARTS == 1:
             if IEEE:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
