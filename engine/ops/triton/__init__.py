@@ -335,8 +335,7 @@ def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: 
     launch("matmul_kernel", grid, x, wd, wd if sd is None else sd, y, m, r, k, x.stride(0), x.stride(1),
            wd.stride(0), 0 if sd is None else sd.stride(0), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
            BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, FOLD=x.dtype != torch.float16,
-           PARTS=parts,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           PARTS=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 @functools.cache
@@ -701,6 +700,11 @@ DENSE_GEMV = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "PROGRAMS": 2048}
 DENSE_GEMV_NARROW = {"MAX_N": 4096, "MAX_K": 8192, "BLOCK_N": 2, "ELEMS": 8192, "num_warps": 4}
 
 
+def _wide(wd: torch.Tensor) -> bool:
+    """W too wide for DENSE_GEMV_NARROW (the head): the tensor-core forms take fp32 x against it in bf16 parts."""
+    return wd.shape[0] > DENSE_GEMV_NARROW["MAX_N"] or wd.shape[-1] > DENSE_GEMV_NARROW["MAX_K"]
+
+
 def _dense_tile_on(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Many rows on the tile kernel, every product exact, output in x's dtype: 16-bit x against W of its dtype (the
     compressors at a prefill: 4.9 of the 4096-token slice prefill's 65 ms went to a float32 copy of W and a cuBLAS
@@ -711,8 +715,7 @@ def _dense_tile_on(x2: torch.Tensor, wd: torch.Tensor, out_dtype: torch.dtype) -
     if wd.stride(-1) != 1 or out_dtype != x2.dtype:
         return False
     if x2.dtype == torch.float32:  # (never on the CPU: its interpreter has no bf16)
-        return wd.dtype == torch.bfloat16 and (wd.shape[0] > DENSE_GEMV_NARROW["MAX_N"]
-                                               or x2.shape[-1] > DENSE_GEMV_NARROW["MAX_K"])
+        return wd.dtype == torch.bfloat16 and _wide(wd)
     return x2.dtype in (torch.bfloat16, torch.float16) and wd.dtype == x2.dtype
 
 
@@ -770,11 +773,10 @@ def _dense_mma_on(x2: torch.Tensor, wd: torch.Tensor) -> bool:
     aligned rows (read in place: no copy of the head), bf16 or fp32 x of 2+ rows whose parts fit DENSE_MMA's
     columns."""
     m, k = x2.shape
-    nar = DENSE_GEMV_NARROW
     return (bool(DENSE_MMA["on"]) and wd.dtype == torch.bfloat16 and x2.dtype in (torch.bfloat16, torch.float32)
             and (_rocm(x2.device) or _cuda_cc(x2.device) >= (8, 0))
             and m >= 2 and m * (1 if x2.dtype == torch.bfloat16 else 4) <= DENSE_MMA["max_cols"]
-            and (wd.shape[0] > nar["MAX_N"] or k > nar["MAX_K"]) and k % 8 == 0
+            and _wide(wd) and k % 8 == 0
             and wd.stride(-1) == 1 and wd.stride(0) % 8 == 0 and wd.data_ptr() % 16 == 0)
 
 

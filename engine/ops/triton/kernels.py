@@ -99,26 +99,18 @@ def matmul_kernel(
                 w = (_e4m3_f32(wb) * sc[None, :]).to(x.dtype)
             else:
                 w = _e4m3_f32(wb).to(x.dtype)
-        elif PARTS == 1:
-            w = wb.to(x.dtype)
         else:
-            w = wb
+            w = wb  # unquantized: x's dtype, or with PARTS the narrower dtype x's parts take
         if SCALED and not FOLD:
             acc += tl.dot(x, w, input_precision="ieee" if IEEE else None) * sc[None, :]
         elif PARTS == 1:
-            if IEEE:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, w, acc, input_precision="ieee" if IEEE else None)
         else:  # this step's parts summed from zero, then added on the FMA units (promotion, as hc_mix_dot)
             step = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for _ in tl.static_range(PARTS):  # the top 8 significant bits of what is left of x: exact in W's dtype
                 xp = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
                 x = x - xp
-                if IEEE:
-                    step = tl.dot(xp.to(w.dtype), w, step, input_precision="ieee")
-                else:
-                    step = tl.dot(xp.to(w.dtype), w, step)
+                step = tl.dot(xp.to(w.dtype), w, step, input_precision="ieee" if IEEE else None)
             acc += step
     y_ptrs = y_ptr + m64 * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
