@@ -170,6 +170,10 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # as wgmma's register operand (acc^T = tile @ x^T, the MoE dots' SWAP), 128-wide K steps, 256-wide row tiles or 4
 # stages were no faster.
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "BLOCK_M_CUDA": 128}
+# x dtypes whose tile folds the block scales into the decoded weight (matmul_kernel FOLD): bf16 only. fp16's range
+# cannot hold every E4M3 value times its scale; fp32's folded dots came 4-7x further from float64 on the H200 than
+# the step-scaled sum (NOTES run 180). Tests add fp32 to run the folded form in the interpreter (no bf16 there).
+FOLD_DTYPES = (torch.bfloat16,)
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
 # Tokens padded to 16-, 32-, 64- or 128-row blocks (`moe_prepare`). The H200 (bench/probe_moe_prefill.py, NOTES runs
 # 144-153), gate/up + down ms at 256 / 1024 / 4096 tokens: 3.32 / 4.45 / 10.23 at 4 gate/up stages and 64 down
@@ -334,7 +338,7 @@ def _tile_matmul(x: torch.Tensor, wd: torch.Tensor, sd: torch.Tensor | None, y: 
     grid = (triton_cdiv(r, bn), triton_cdiv(m, bm), g)
     launch("matmul_kernel", grid, x, wd, wd if sd is None else sd, y, m, r, k, x.stride(0), x.stride(1),
            wd.stride(0), 0 if sd is None else sd.stride(0), y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, FOLD=x.dtype != torch.float16,
+           BLOCK_K=bk, IEEE=dot_dtype == torch.float32, SCALED=sd is not None, FOLD=x.dtype in FOLD_DTYPES,
            PARTS=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -65,15 +65,17 @@ def matmul_kernel(
     SCALED: tl.constexpr = True, FOLD: tl.constexpr = True, PARTS: tl.constexpr = 1,
 ):
     """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers; FOLD
-    (bf16 and fp32 x, whose exponent range holds any E4M3 value times any UE8M0 scale the reference's fp32 does):
-    each row's block scale (a power of two) applied in the decode, exactly, so the dot accumulates over all of K
-    in place (scaling each step's partial instead took 40% longer on the H200, NOTES run 169); fp16 x keeps that
-    (E4M3 values are exact in fp16, times a scale below 2^-15 they are not). Else W is unquantized, in a dtype
-    x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
+    (bf16 x, whose exponent range holds any E4M3 value times any UE8M0 scale): each row's block scale (a power of
+    two) applied in the decode, exactly, so the dot accumulates over all of K in place (scaling each step's partial
+    instead took 40% longer on the H200, NOTES run 169). Without FOLD each step's dot starts from zero and its
+    partial is scaled: fp16 x (E4M3 values are exact in fp16, times a scale below 2^-15 they are not) and fp32 x
+    (on the H200 the folded form's fp32 dots came 4-7x further from float64, 1.2-1.7e-6 per row against 1.7-2.6e-7,
+    and took the slice's float32 prefill from 4e-6 to 1.1e-5 of float64: NOTES runs 175-181). Else W is
+    unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
     into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every product is exact
-    (dense_mma's form, at prefill rows); each step's dots start from zero and are added to acc on the FMA units
-    (carried through the tensor cores, the small parts' low bits went: 1.5e-5 from float64 on the H200 at K 4096,
-    NOTES run 171)."""
+    (dense_mma's form, at prefill rows); each step's dots start from zero, smallest part first, and are added to
+    acc on the FMA units (the sm_90 tensor cores' fp32 sums are not IEEE: carried over all of K, rows came 1.5e-5
+    from float64 at K 4096, NOTES run 171; largest part first 5e-7, smallest first 1.7e-7, run 176)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.program_id(2)
@@ -103,15 +105,14 @@ def matmul_kernel(
             w = wb  # unquantized: x's dtype, or with PARTS the narrower dtype x's parts take
         if SCALED and not FOLD:
             acc += tl.dot(x, w, input_precision="ieee" if IEEE else None) * sc[None, :]
-        elif PARTS == 1:
+        elif PARTS == 3:  # smallest part first: this step's sum is near its final size only for the last dot
+            x0 = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            x1 = ((x - x0).to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            step = tl.dot((x - x0 - x1).to(w.dtype), w, input_precision="ieee" if IEEE else None)
+            step = tl.dot(x1.to(w.dtype), w, step, input_precision="ieee" if IEEE else None)
+            acc += tl.dot(x0.to(w.dtype), w, step, input_precision="ieee" if IEEE else None)
+        else:
             acc = tl.dot(x, w, acc, input_precision="ieee" if IEEE else None)
-        else:  # this step's parts summed from zero, then added on the FMA units (promotion, as hc_mix_dot)
-            step = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for _ in tl.static_range(PARTS):  # the top 8 significant bits of what is left of x: exact in W's dtype
-                xp = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
-                x = x - xp
-                step = tl.dot(xp.to(w.dtype), w, step, input_precision="ieee" if IEEE else None)
-            acc += step
     y_ptrs = y_ptr + m64 * stride_ym + g * stride_yg + offs_r[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
