@@ -21,8 +21,9 @@ def test_every_kernel_compiles_for_both_targets(audits):
 
     names = {spec[0] for spec in ISA_SPECS}
     sm90_only = {spec[0] for spec in ISA_SPECS_SM90}
-    assert {"fp8_matmul", "dense_matmul", "dense_matmul_parts", "fp8_stream", "moe_gate_up_dot", "moe_down_dot",
-            "moe_gate_up_stream", "moe_down_stream", "attention", "index_scores"} <= names
+    assert {"fp8_matmul", "fp8_matmul_scaled_steps", "dense_matmul", "dense_matmul_parts", "fp8_stream",
+            "moe_gate_up_dot", "moe_down_dot", "moe_gate_up_stream", "moe_down_stream", "attention",
+            "index_scores"} <= names
     assert "fp8_stream_hw" in sm90_only and not names & sm90_only
     assert {(a.name, a.target) for a in audits} == (
         {(n, t) for n in names for t in ("gfx90a", "sm_90")} | {(n, "sm_90") for n in sm90_only})

@@ -166,11 +166,12 @@ def test_dense_mma_takes_the_head_on_a_gpu(dtype, m, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")
 @pytest.mark.parametrize("k, r", [(8192, 4096), (4096, 1536), (1024, 32768)])  # wo_b, wq_a|wkv, wq_b
-def test_fp8_tile_fp32_x_as_close_as_the_reference_on_a_gpu(k, r):
-    """fp32 x of 64 rows against FP8 W on the prefill tile: each row no further from float64 than twice the
-    reference backend's own float32 GEMM (cuBLAS on the dequantized weight) at the same shape. The folded form
-    (scales in the decoded tile) came 1.2-1.7e-6 from float64 at K 4096-8192 against cuBLAS's 3.6-6e-7, and took
-    the flash slice's float32 prefill past its 1e-5 gate (NOTES runs 175-181)."""
+def test_fp8_tile_fp32_x_is_a_two_level_sum_on_a_gpu(k, r):
+    """fp32 x of 64 rows against FP8 W on the prefill tile: each row within u * sqrt(BLOCK_K + K / BLOCK_K) of
+    float64 (u = 2^-24), the probabilistic bound of a sum taken in BLOCK_K-term steps then over the steps. The folded
+    form's one FMA chain over all of K came 1.2-1.7e-6 at K 4096-8192 (over this bound by 1.8-2x; 1.1x at K 1024)
+    and the two-level sum 1.7-2.6e-7, 0.3x of it (NOTES runs 175-181): the chain took the flash slice's float32
+    prefill past its 1e-5 gate."""
     g = torch.Generator(device="cuda").manual_seed(k + r)
     w = QWeight(torch.randint(0, 256, (r, k), device="cuda", generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn),
                 torch.randint(116, 124, (r // 128, k // 128), device="cuda", generator=g,
@@ -178,11 +179,9 @@ def test_fp8_tile_fp32_x_as_close_as_the_reference_on_a_gpu(k, r):
     w.data.view(torch.uint8)[(w.data.view(torch.uint8) & 0x7F) == 0x7F] = 0x38  # no NaN codes
     x = torch.randn(64, k, device="cuda", generator=g)
     want = x.double() @ ref.dequantize(w, torch.float64).T
-
-    def err(y: torch.Tensor) -> float:
-        return ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max().item()
-
-    assert err(tri.linear(x, w)) <= 2 * err(ref.linear(x, w))
+    y = tri.linear(x, w)
+    bk = tri.FP8_DOT["BLOCK_K"]
+    assert ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max() <= 2.0**-24 * (bk + k / bk) ** 0.5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the H200)")

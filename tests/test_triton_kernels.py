@@ -101,17 +101,17 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, local, monkeypat
     assert rel(both, ref.linear(gu.double(), w, x_norm=(nw.double(), 1e-6), glu=7.0)) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype, scales, x_scale, fold", [(torch.float32, [100, 135, 140, 127], 1.0, False),
-                                                           (torch.float32, [100, 135, 140, 127], 1.0, True),
-                                                           (torch.float16, [100, 102, 104, 107], 2.0**10, False)])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype, scales, x_scale, fold, m", [
+    (dtype, scales, x_scale, False, m) for dtype, scales, x_scale in
+    [(torch.float32, [100, 135, 140, 127], 1.0), (torch.float16, [100, 102, 104, 107], 2.0**10)] for m in (1, 5)] + [
+    (torch.float32, [100, 135, 140, 127], 1.0, True, 5)])
 def test_fp8_linear_extreme_scales(dtype, scales, x_scale, fold, m, monkeypatch):
     """Block scales far from the usual 2^-9..2^0, which the loader accepts (UE8M0 bytes, one per 128 x 128 block
     of the 2 x 2): 2^-27..2^13 with fp32 x, 2^-27..2^-20 with fp16 x (x near 2^10 keeps y in fp16's range). Every
     dequantized weight is an fp32 number, so the result is within fp32 sums (1e-5) or fp16's output rounding
     (2^-11, with fp32 sums: 1e-3) of float64. Caught: 2^120 times a scale from 2^8 up overflowing fp32, and weight
     times scale rounded to fp16 below 2^-15. `fold`: fp32 stands in for bf16 (which the interpreter cannot run) in
-    the tile's folded form (at m = 5)."""
+    the tile's folded form (m = 5 takes the tile; one row, the stream)."""
     if fold:
         monkeypatch.setattr(tri, "FOLD_DTYPES", (torch.bfloat16, torch.float32))
     g = gen(300 + scales[0] + m)

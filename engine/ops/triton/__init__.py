@@ -171,8 +171,9 @@ def _packed(t: torch.Tensor, words: bool) -> torch.Tensor:
 # stages were no faster.
 FP8_DOT = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "BLOCK_M_CUDA": 128}
 # x dtypes whose tile folds the block scales into the decoded weight (matmul_kernel FOLD): bf16 only. fp16's range
-# cannot hold every E4M3 value times its scale; fp32's folded dots came 4-7x further from float64 on the H200 than
-# the step-scaled sum (NOTES run 180). Tests add fp32 to run the folded form in the interpreter (no bf16 there).
+# cannot hold every E4M3 value times its scale; fp32's folded dot is one FMA chain over all of K, 3.6-6.5x further
+# from float64 on the H200 than the step-scaled two-level sum (NOTES run 180). Tests add fp32 to run the folded form
+# in the interpreter (no bf16 there).
 FOLD_DTYPES = (torch.bfloat16,)
 MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row tiles or split K
 # Tokens padded to 16-, 32-, 64- or 128-row blocks (`moe_prepare`). The H200 (bench/probe_moe_prefill.py, NOTES runs

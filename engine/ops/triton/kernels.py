@@ -65,17 +65,20 @@ def matmul_kernel(
     SCALED: tl.constexpr = True, FOLD: tl.constexpr = True, PARTS: tl.constexpr = 1,
 ):
     """Prefill path, tiles on tl.dot (MFMA / tensor cores). SCALED: W is E4M3 bytes, decoded in registers; FOLD
-    (bf16 x, whose exponent range holds any E4M3 value times any UE8M0 scale): each row's block scale (a power of
-    two) applied in the decode, exactly, so the dot accumulates over all of K in place (scaling each step's partial
-    instead took 40% longer on the H200, NOTES run 169). Without FOLD each step's dot starts from zero and its
-    partial is scaled: fp16 x (E4M3 values are exact in fp16, times a scale below 2^-15 they are not) and fp32 x
-    (on the H200 the folded form's fp32 dots came 4-7x further from float64, 1.2-1.7e-6 per row against 1.7-2.6e-7,
-    and took the slice's float32 prefill from 4e-6 to 1.1e-5 of float64: NOTES runs 175-181). Else W is
-    unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x tile cut
-    into three parts of W's dtype whose sum is x (x_parts' rule), one dot each, so every product is exact
-    (dense_mma's form, at prefill rows); each step's dots start from zero, smallest part first, and are added to
-    acc on the FMA units (the sm_90 tensor cores' fp32 sums are not IEEE: carried over all of K, rows came 1.5e-5
-    from float64 at K 4096, NOTES run 171; largest part first 5e-7, smallest first 1.7e-7, run 176)."""
+    (bf16 x): each row's block scale (a power of two) applied in the decode, exact in bf16 for scales from 2^-124 up
+    (below, E4M3's smallest values fall under bf16's subnormals; past 448 x 2^127 the reference's fp32 overflows
+    too), so the dot accumulates over all of K in place (scaling each step's partial instead took 40% longer on the
+    H200, NOTES run 169). Without FOLD each step's dot starts from zero and its partial is scaled before it is
+    added, a two-level sum: fp16 x (E4M3 values are exact in fp16, times a scale below 2^-15 they are not) and fp32
+    x (folded, its IEEE dot is one FMA chain over all of K: 1.2-1.7e-6 from float64 per row against 2.2-2.6e-7 at K
+    4096-8192 on the H200, which took the slice's float32 prefill from 4.3e-6 to 1.3e-5: NOTES runs 175-181).
+    Else W is unquantized, in a dtype x's dot holds exactly. PARTS 3: fp32 x against W of a narrower dtype, each x
+    tile cut into three parts of W's dtype whose sum is x, one dot each, so every product is exact (dense_mma's
+    form, at prefill rows); each step's dots start from zero, smallest part first, and are added to acc on the FMA
+    units (the sm_90 tensor cores' fp32 sums are not IEEE: carried over all of K, rows came 1.5e-5 from float64 at
+    K 4096, NOTES run 171; largest part first 5e-7, smallest first 1.7e-7, run 176).
+    Triton rewrites `acc += tl.dot(a, b)` (a dot from zero, then added) into `tl.dot(a, b, acc)`: a two-level sum
+    needs something between the dot and the add (the scale; the parts' third dot carries `step`, not zero)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g = tl.program_id(2)
@@ -89,6 +92,7 @@ def matmul_kernel(
     x_base = x_ptr + g * stride_xg + m64 * stride_xm
     w_base = w_ptr + rows.to(tl.int64)[None, :] * stride_wn  # [1, BN]: tile loaded as [BK, BN]
     s_base = s_ptr + (rows // 128) * stride_sn
+    tl.static_assert(PARTS == 1 or PARTS == 3)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
@@ -1937,6 +1941,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      4, False),
     ("fp8_matmul", matmul_kernel,  # FP8_DOT as gfx90a runs a long prefill (64 rows a program)
      _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8, True),
+    ("fp8_matmul_scaled_steps", matmul_kernel,  # fp32 x (and fp16): each step's partial scaled, no fold
+     _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*bf16 *u8 *u8 *bf16", "*fp32 *u8 *u8 *fp32"), BLOCK_M=64, BLOCK_N=128,
+          BLOCK_K=64, IEEE=True, FOLD=False), 8, True),
     ("dense_matmul", matmul_kernel,  # the compressors' bf16 W at a long prefill
      _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*u8 *u8", "*bf16 *bf16"), BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
           IEEE=False, SCALED=False), 8, True),
