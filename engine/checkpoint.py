@@ -264,6 +264,9 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
             out[sp.name] = _read_linear(files, sp, scale_key if scale_key in files.names else None)
         else:
             t = _read_plain(files, sp)
+            if sp.kind == "int32" and t.numel() and not 0 <= int(t.min()) <= int(t.max()) < cfg.n_routed_experts:
+                raise CheckpointError(f"{_where(files, sp.name)} holds expert ids outside 0..{cfg.n_routed_experts - 1}"
+                                      ": the weights are corrupt or config.json's n_routed_experts is wrong")
             out[sp.name] = QWeight(t, None, "dense") if sp.linear else t
     _check_experts_uniform(files, out, cfg)
     unexpected = sorted(n for n in set(files.names) - expected if not files.names[n][0].startswith("mtp."))

@@ -78,6 +78,24 @@ class Config:
             want = {"int": int, "float": (int, float), "str": str, "list[int]": list}.get(str(f.type))
             if want and (not isinstance(v, want) or isinstance(v, bool)):
                 raise ConfigError(f"config: field {f.name} must be {f.type}, got {v!r}")
+        may_be_zero = ("num_hash_layers", "n_shared_experts", "hc_sinkhorn_iters")
+        small = [f.name for f in fields(self) if str(f.type) == "int" and getattr(self, f.name) < (
+            0 if f.name in may_be_zero else 1)]
+        if small:
+            raise ConfigError(f"config: field(s) {small} must be >= 1 ({', '.join(may_be_zero)}: >= 0)")
+        if not (self.rms_norm_eps > 0 and self.hc_eps >= 0 and self.rope_theta > 0 and self.compress_rope_theta > 0
+                and self.swiglu_limit >= 0):
+            raise ConfigError("config: rms_norm_eps, rope_theta and compress_rope_theta must be > 0, hc_eps and "
+                              "swiglu_limit >= 0")
+        for name in ("rope_scaling", "quantization_config"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"config: field {name} must be an object or null, got {getattr(self, name)!r}")
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type", rs.get("type")) == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                if isinstance(rs.get(key), bool) or not isinstance(rs.get(key), (int, float)) or rs[key] <= 0:
+                    raise ConfigError(f"config: rope_scaling (yarn) needs a positive number {key}, got "
+                                      f"{rs.get(key)!r}")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")

@@ -43,8 +43,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _steps(text: str) -> list[int]:
-    """--steps N or N,N,...: integers (argparse turns the ValueError into a usage error)."""
-    return [int(n) for n in text.split(",")]
+    """--steps N or N,N,...: counts (argparse prints the ArgumentTypeError as a usage error)."""
+    try:
+        steps = [int(n) for n in text.split(",")]
+    except ValueError:
+        steps = [-1]
+    if min(steps) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count N or counts N,N,... (one per prompt)")
+    return steps
 
 
 def cmd_goldens_build(args: argparse.Namespace) -> int:
@@ -153,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Fail as e:
         print(f"cdna2: error: {e}", file=sys.stderr)
         return e.code
-    except (goldens.GoldenError, ValueError, FileNotFoundError) as e:
+    except (goldens.GoldenError, ValueError, FileNotFoundError, LookupError) as e:  # LookupError: --engine
         print(f"cdna2: error: {e}", file=sys.stderr)
         return 2
 

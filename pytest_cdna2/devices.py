@@ -63,6 +63,8 @@ def _available_text() -> str:
 
 def parse_device_spec(spec: str | None) -> list[str]:
     """``cpu|N|N,M|all`` -> torch device strings; a missing GPU is a usage error listing what exists."""
+    if spec is not None and not spec.strip():
+        raise pytest.UsageError(f"--cdna2-device='': empty: expected cpu, N, N,M or all ({_available_text()})")
     spec = (spec or default_device_spec()).strip().lower()
     if spec == "cpu":
         return ["cpu"]

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -60,10 +60,10 @@ def _settings(config: pytest.Config) -> Settings:
     return config.stash[SETTINGS]
 
 
-def _stop(request: pytest.FixtureRequest, message: str) -> None:
+def _stop(request: pytest.FixtureRequest, message: str) -> NoReturn:
     """Fail this setup with a one-line message and stop the session after it."""
     request.session.shouldstop = message
-    pytest.fail(message, pytrace=False)
+    raise pytest.fail.Exception(message, pytrace=False) from None  # called in `except`: no chained repeat
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
@@ -193,6 +193,8 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
     try:
         return factory(str(s.model), device=s.device, backend=s.backend, **engine_kwargs(factory, s))
     except Exception as e:  # keep the traceback for the engine's author, but stop: nothing can pass now
+        if s.engine == "bundled" and isinstance(e, ValueError):  # CheckpointError, ConfigError: one line that
+            _stop(request, f"cdna2: {e}")  # names the file and the fix
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise
 
@@ -228,7 +230,6 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
         return GoldenStore.open(s.goldens, expected_model_sha256=sha)
     except GoldenError as e:
         _stop(request, f"cdna2: {e}")
-        raise  # unreachable: _stop raises
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ reader sees the old store or the new one, never half of one; an existing store i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -29,7 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -196,6 +197,7 @@ class GoldenStore:
                 f"{mpath}: format {manifest['format']!r}, this pytest-cdna2 reads format {FORMAT}; "
                 f"{_BUILD_HINT}"
             )
+        _check_layout(manifest, mpath)
         have = manifest["model_sha256"]
         if expected_model_sha256 is not None and have is None:
             raise GoldenError(
@@ -258,8 +260,9 @@ class GoldenStore:
         if file not in self._keys:
             from safetensors import safe_open
 
-            with safe_open(self._file(file), framework="pt") as f:
-                self._keys[file] = set(f.keys())
+            with _readable(self._file(file)):
+                with safe_open(self._file(file), framework="pt") as f:
+                    self._keys[file] = set(f.keys())
         return self._keys[file]
 
     def _file(self, file: str) -> Path:
@@ -279,8 +282,9 @@ class GoldenStore:
                 raise GoldenError(
                     f"{self.path / file}: no tensor {key!r}; the goldens predate this check: {_BUILD_HINT}"
                 )
-            with safe_open(self._file(file), framework="pt") as f:
-                self._cache[(file, key)] = f.get_tensor(key)
+            with _readable(self._file(file)):
+                with safe_open(self._file(file), framework="pt") as f:
+                    self._cache[(file, key)] = f.get_tensor(key)
         return self._cache[(file, key)]
 
     def input_ids(self, prompt: str) -> torch.Tensor:
@@ -322,6 +326,33 @@ class GoldenStore:
         return dict(sorted(out.items()))
 
 
+def _check_layout(manifest: dict, mpath: Path) -> None:
+    """The manifest's shape, checked once at open so a hand-edited or foreign one is one GoldenError, not a
+    KeyError deep in a test: files {name: sha256} (at least one), prompts [{name, tokens: [int, ...]}], steps."""
+    files, prompts, steps = manifest["files"], manifest["prompts"], manifest.get("steps", 0)
+    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
+        raise GoldenError(f"{mpath}: 'files' must map each file name to its sha256; {_BUILD_HINT}")
+    if not isinstance(prompts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("tokens"), list)
+        and p["tokens"] and all(isinstance(t, int) and t >= 0 for t in p["tokens"]) for p in prompts
+    ):
+        raise GoldenError(f"{mpath}: 'prompts' must be a list of {{name, tokens: [token ids]}}; {_BUILD_HINT}")
+    if not all(isinstance(n, int) and n >= 0 for n in (steps if isinstance(steps, list) else [steps])):
+        raise GoldenError(f"{mpath}: 'steps' must be a count or a list of counts; {_BUILD_HINT}")
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """safetensors' own errors on a file that passed its checksum (rewritten with a matching manifest) as one
+    GoldenError naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise GoldenError(f"{path}: unreadable safetensors ({e}); restore it, or {_BUILD_HINT}") from None
+
+
 class GoldenWriter:
     """Write a store atomically: files go to a temporary sibling folder, renamed into place on success.
 
@@ -331,8 +362,9 @@ class GoldenWriter:
             w.write("teacher.safetensors", {"p00.logits": logits})
             w.manifest.update(model_sha256=sha, prompts=[...])
 
-    An existing non-empty ``out_dir`` is refused unless ``regen=True``; then it is swapped out only after
-    the new store is complete. On an exception nothing at ``out_dir`` changes.
+    An existing non-empty ``out_dir`` is refused unless ``regen=True`` and it is a golden store (holds a
+    manifest); then it is swapped out only after the new store is complete. On an exception nothing at
+    ``out_dir`` changes.
     """
 
     def __init__(self, out_dir: str | Path, *, regen: bool = False) -> None:
@@ -344,6 +376,11 @@ class GoldenWriter:
             raise GoldenError(
                 f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
                 f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"
+            )
+        if self.out.is_dir() and any(self.out.iterdir()) and not (self.out / MANIFEST).is_file():
+            raise GoldenError(  # regen replaces the whole folder: never one that holds something else
+                f"{self.out} is not empty and has no {MANIFEST}, so it is not a golden store; refusing to "
+                f"replace it: pass a new or empty folder"
             )
         self.manifest: dict[str, Any] = {"format": FORMAT}
         self._files: dict[str, str] = {}
@@ -384,7 +421,9 @@ class GoldenWriter:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, and its files 0600: goldens are shared read-only
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         if self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
         if not self.out.exists():

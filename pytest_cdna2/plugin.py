@@ -118,6 +118,11 @@ def resolve_settings(config: pytest.Config) -> Settings:
             f"--cdna2-goldens: {goldens} does not exist (build it with `cdna2 goldens build` or "
             "--cdna2-regen-goldens)"
         )
+    if regen and gold_v is None:
+        raise pytest.UsageError(
+            "--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite (the bundled goldens are "
+            "part of the package; rebuild them with `cdna2 goldens build --out DIR`)"
+        )
     if regen and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
         raise pytest.UsageError("--cdna2-regen-goldens cannot run under xdist (-n): run it in one process")
 

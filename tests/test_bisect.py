@@ -47,6 +47,17 @@ def test_cli_bisect_passes_a_correct_engine(small, capsys):
     assert capsys.readouterr().out.splitlines() == ["p00: ok", "p01: ok"]
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt", "p99"], "no prompt 'p99' (have: p00, p01)"),
+    (["--engine", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+])
+def test_cli_bisect_bad_names_are_one_line(small, capsys, extra, message):
+    model, goldens = small
+    assert main(["bisect", "--model", str(model), "--goldens", str(goldens), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cdna2: error: ") and message in err, err
+
+
 def test_cli_bisect_names_the_broken_kernel(small, capsys, monkeypatch):
     """Every triton op replaced by its reference except a broken rms_norm (epsilon 100x too large)."""
     model, goldens = small

@@ -208,6 +208,26 @@ def test_non_finite_values(ck, key, value):
     one_line(e, path, key)
 
 
+@pytest.mark.parametrize("value", [-1, 99])
+def test_hash_routing_table_names_only_existing_experts(tmp_path, value):
+    """tid2eid entries are expert ids: one outside 0..n_routed_experts-1 is refused at load, not an index error
+    in the first forward."""
+    ck = make_checkpoint(tmp_path / "hash", make_config("csa-only", num_hash_layers=1), seed=5)
+    read_checkpoint(ck)  # as made, it loads
+    keys = []
+
+    def poison(sd):
+        keys.append(next(k for k in sd if k.endswith("gate.tid2eid")))
+        t = sd[keys[0]].clone()
+        t.view(-1)[0] = value
+        sd[keys[0]] = t
+
+    path = edit_tensors(ck, poison)
+    with pytest.raises(CheckpointError, match="holds expert ids outside 0..") as e:
+        read_checkpoint(ck)
+    one_line(e, path, keys[0])
+
+
 # ------------------------------------------------------------------------------------------- quantized storage
 
 
@@ -398,6 +418,11 @@ def test_config_missing_required_field(ck, field):
     (dict(moe_intermediate_size=40), "must be multiples of 32", "moe_intermediate_size"),
     (dict(num_hash_layers=3), "num_hash_layers 3 outside 0..2", "num_hash_layers"),
     (dict(scoring_func="relu"), "scoring_func 'relu'", "scoring_func"),
+    (dict(index_topk=0), r"field\(s\) \['index_topk'\] must be >= 1", "index_topk"),
+    (dict(sliding_window=-3), "must be >= 1", "sliding_window"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps, rope_theta and compress_rope_theta must be > 0", "rms_norm_eps"),
+    (dict(rope_scaling="yarn"), "field rope_scaling must be an object or null", "rope_scaling"),
+    (dict(rope_scaling={"type": "yarn"}), "rope_scaling \\(yarn\\) needs a positive number factor", "rope_scaling"),
 ])
 def test_config_inconsistent(ck, changes, match, field):
     path = edit_config(ck, **changes)

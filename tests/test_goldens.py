@@ -41,6 +41,7 @@ def test_write_then_open_lazily(tmp_path):
     assert torch.equal(store.teacher_logits("p00"), torch.ones(3, 4))
     assert store.prompt("p00").input_ids().tolist() == [[0, 1, 2]]
     assert _siblings(out) == ["g"]  # no temporary folder left behind
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o644}  # readable by the users who share it
 
 
 def test_flipped_byte_is_refused_naming_file_and_both_hashes(tmp_path):
@@ -95,6 +96,34 @@ def test_bad_manifest(tmp_path):
         GoldenStore.open(out)
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"files": ["teacher.safetensors"]}, "'files' must map each file name to its sha256"),
+    ({"files": {}}, "'files' must map each file name to its sha256"),
+    ({"prompts": [{"name": "p00"}]}, "'prompts' must be a list of {name, tokens: .token ids.}"),
+    ({"prompts": [{"name": "p00", "tokens": []}]}, "'prompts' must be a list"),
+    ({"prompts": "p00"}, "'prompts' must be a list"),
+    ({"steps": "x"}, "'steps' must be a count or a list of counts"),
+])
+def test_a_manifest_of_the_wrong_shape_is_one_error(tmp_path, edit, message):
+    """A hand-edited or foreign manifest is refused at open, naming the field (not a KeyError in a test)."""
+    out = _write(tmp_path / "g")
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, **edit}))
+    with pytest.raises(GoldenError, match=f"manifest.json: {message}"):
+        GoldenStore.open(out)
+
+
+def test_a_tensor_file_rewritten_with_its_hash_but_unreadable_is_one_error(tmp_path):
+    out = _write(tmp_path / "g")
+    f = out / "teacher.safetensors"
+    f.write_bytes(f.read_bytes()[:-5])
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"]["teacher.safetensors"] = sha256_file(f)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(GoldenError, match=r"teacher.safetensors: unreadable safetensors .*restore it, or"):
+        GoldenStore.open(out).teacher_logits("p00")
+
+
 def test_never_overwrites_without_regen(tmp_path):
     out = _write(tmp_path / "g")
     before = (out / "teacher.safetensors").read_bytes()
@@ -119,6 +148,18 @@ def test_failed_write_leaves_the_old_store_and_no_temp(tmp_path):
         with GoldenWriter(tmp_path / "new") as w:
             raise RuntimeError("boom")
     assert not (tmp_path / "new").exists()
+
+
+def test_regen_never_replaces_a_folder_that_is_not_a_store(tmp_path):
+    """A model folder (or any folder without a manifest) given as the goldens' destination by mistake: --regen
+    would swap the whole folder out, so it is refused and every file stays."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(GoldenError, match=r"model is not empty and has no manifest.json.*pass a new or empty folder"):
+        _write(model, regen=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert (model / "config.json").read_text() == "{}"
 
 
 def test_an_empty_folder_may_receive_a_store(tmp_path):

@@ -149,6 +149,18 @@ def test_unimportable_engine_factory(pytester):
     r.stdout.fnmatch_lines(["*'test_plugin_fake_engine' has no callable 'nope'*"])
 
 
+def test_a_corrupt_checkpoint_for_the_bundled_engine_is_one_line(pytester):
+    """The bundled engine's CheckpointError already names the file and the fix: no traceback, no chained repeat."""
+    (pytester.path / "m").mkdir()
+    (pytester.path / "m" / "config.json").write_text("{")
+    pytester.makepyfile("def test_x(cdna2_engine): pass")
+    r = run(pytester, "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: */m/config.json: *"])
+    out = r.stdout.str()
+    assert "Traceback" not in out and "During handling" not in out and "def cdna2_engine" not in out
+
+
 def test_a_model_that_fails_to_load_stops_the_run(pytester):
     (pytester.path / "m").mkdir()  # no fake.json: the factory raises FileNotFoundError
     pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")

@@ -107,8 +107,11 @@ def test_defaults_point_at_the_bundled_model(pytester):
         (["--cdna2-model=nowhere"], "", "*--cdna2-model: */nowhere does not exist*"),
         (["--cdna2-goldens=nowhere"], "", "*--cdna2-goldens: */nowhere does not exist (build it with*"),
         (["--cdna2-device=gpu"], "", "*--cdna2-device='gpu': expected cpu, N, N,M or all*"),
+        (["--cdna2-device="], "", "*--cdna2-device='': empty: expected cpu, N, N,M or all*"),
         (["--cdna2-tolerance=t.toml"], "", "*--cdna2-tolerance: */t.toml: [[]token] kl: unknown key*"),
-        (["--cdna2-regen-goldens", "-n", "2"], "", "*--cdna2-regen-goldens cannot run under xdist*"),
+        (["--cdna2-regen-goldens", "--cdna2-goldens=new", "-n", "2"], "",
+         "*--cdna2-regen-goldens cannot run under xdist*"),
+        (["--cdna2-regen-goldens"], "", "*--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite*"),
     ],
 )
 def test_bad_values_are_usage_errors(pytester, args, ini, message):

@@ -87,6 +87,12 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
     """The op table for `backend`, with `reference_ops` (or env CDNA2_REFERENCE_OPS) taken from reference."""
     from . import reference
 
+    if reference_ops is None:
+        env = os.environ.get("CDNA2_REFERENCE_OPS", "")
+        reference_ops = [s.strip() for s in env.split(",") if s.strip()]
+    unknown = sorted(set(reference_ops) - set(OP_NAMES))
+    if unknown:  # checked for either backend: a typo should not pass silently where it does nothing
+        raise ValueError(f"unknown op(s) {unknown} in CDNA2_REFERENCE_OPS: choose from {list(OP_NAMES)}")
     if backend == "reference":
         return SimpleNamespace(**{n: getattr(reference, n) for n in OP_NAMES}, backend="reference",
                                reference_ops=tuple(OP_NAMES))
@@ -99,11 +105,5 @@ def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) 
     triton_check(getattr(triton, "__version__", None))
     from . import triton as tri
 
-    if reference_ops is None:
-        env = os.environ.get("CDNA2_REFERENCE_OPS", "")
-        reference_ops = [s.strip() for s in env.split(",") if s.strip()]
-    unknown = sorted(set(reference_ops) - set(OP_NAMES))
-    if unknown:
-        raise ValueError(f"unknown op(s) {unknown} in CDNA2_REFERENCE_OPS: choose from {list(OP_NAMES)}")
     table = {n: getattr(reference if n in reference_ops else tri, n, getattr(reference, n)) for n in OP_NAMES}
     return SimpleNamespace(**table, backend="triton", reference_ops=tuple(sorted(reference_ops)))
