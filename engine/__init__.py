@@ -41,6 +41,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
         raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} asked for, but torch sees no GPU: use device='cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: torch sees {torch.cuda.device_count()} GPU(s), so use cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1} (or set HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device}: the engine runs on 'cpu' or 'cuda' (ROCm GPUs are 'cuda' in torch)")
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)

@@ -86,7 +86,10 @@ def _opt(config: pytest.Config, name: str) -> tuple[object, str]:
     value = config.getoption(dest)
     if value is not None:
         return value, "cli"
-    ini = config.getini(dest)
+    try:
+        ini = config.getini(dest)
+    except (ValueError, pytest.UsageError) as e:  # a bool key pytest cannot read ("maybe"): it does not name it
+        raise pytest.UsageError(f"ini key {dest}: {e}; expected true or false") from None
     if ini not in (None, "", False):
         return ini, "ini"
     return None, "default"

@@ -571,6 +571,14 @@ def test_load_model_bad_arguments(good, monkeypatch, kwargs, match):
     one_line(e)
 
 
+def test_load_model_gpu_index_past_the_last_gpu(good, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device cuda:9: torch sees 2 GPU\(s\), so use cuda:0 to cuda:1") as e:
+        load_model(good, device="cuda:9")
+    one_line(e)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32])
 def test_load_model_non_float_torch_dtype(good, dtype):
     with pytest.raises(ValueError, match="dtype") as e:

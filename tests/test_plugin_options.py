@@ -112,6 +112,7 @@ def test_defaults_point_at_the_bundled_model(pytester):
         (["--cdna2-regen-goldens", "--cdna2-goldens=new", "-n", "2"], "",
          "*--cdna2-regen-goldens cannot run under xdist*"),
         (["--cdna2-regen-goldens"], "", "*--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite*"),
+        ([], "cdna2_perf_on_cpu = maybe", "*ini key cdna2_perf_on_cpu: *'maybe'*; expected true or false"),
     ],
 )
 def test_bad_values_are_usage_errors(pytester, args, ini, message):
