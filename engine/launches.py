@@ -7,6 +7,7 @@ launch count of `Model.decode` is its glue budget (bench/launches.py prints it; 
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 
@@ -18,13 +19,18 @@ FREE = frozenset({
     "squeeze", "t", "transpose", "permute", "as_strided", "detach", "alias", "empty", "empty_like", "new_empty",
     "empty_strided", "unbind", "lift_fresh", "is_same_size", "_local_scalar_dense", "scalar_tensor",
 })
+# The engine's own files, by this package's folder as imported (installed, it is site-packages/cdna2_engine/,
+# not engine/): a frame's filename is the path its module was imported from.
+_ROOT = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP = (os.path.join(_ROOT, "ops", "triton") + os.sep, os.path.abspath(__file__))
 
 
 def issuing_line() -> str:
     """"file:line code" of the engine line (outside ops/triton) that issued the launch being made."""
     for fr in reversed(traceback.extract_stack()[:-2]):
-        if "/engine/" in fr.filename and "/ops/triton/" not in fr.filename and not fr.filename.endswith("launches.py"):
-            return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {(fr.line or '').strip()[:70]}"
+        path = os.path.abspath(fr.filename)
+        if path.startswith(_ROOT) and not path.startswith(_SKIP[0]) and path != _SKIP[1]:
+            return f"{os.path.basename(path)}:{fr.lineno} {(fr.line or '').strip()[:70]}"
     return "?"
 
 

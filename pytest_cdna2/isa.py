@@ -8,16 +8,21 @@ the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
 
-Occupancy estimate on gfx90a (CDNA2 ISA guide: each SIMD has 512 unified 32-bit registers per lane,
-shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at most 8 waves per SIMD). On gfx90a
-the `.vgpr_count` the compiler writes is already the unified total (arch VGPRs, aligned, plus AGPRs: a
-kernel using 256 + 256 reports 512), so
+Occupancy estimate on gfx90a, the lower of two limits. Registers (CDNA2 ISA guide: each SIMD has 512
+unified 32-bit registers per lane, shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at most 8
+waves per SIMD; on gfx90a the `.vgpr_count` the compiler writes is already the unified total, arch VGPRs
+aligned plus AGPRs: a kernel using 256 + 256 reports 512). LDS (64 KiB per CU, allocated to a workgroup in
+blocks of 128 dwords, LLVM AMDGPUUsage's LDS_SIZE granularity for GFX7-GFX10, which includes gfx90a; a
+workgroup's num_warps waves spread over the CU's 4 SIMDs):
 
-    regs  = ceil(vgpr_count / 8) * 8
-    waves = min(8, floor(512 / regs))      (0 means the wave cannot launch at all)
+    regs      = ceil(vgpr_count / 8) * 8
+    by_regs   = min(8, floor(512 / regs))
+    groups    = floor(65536 / (ceil(lds_bytes / 512) * 512))          (no LDS: no limit)
+    by_lds    = ceil(groups * num_warps / 4)                           (the busiest SIMD)
+    waves     = min(by_regs, by_lds)      (0 means the wave cannot launch at all)
 
-(LDS can lower it further: 64 KiB per CU shared by the workgroups on it; `waves_per_simd` reports the
-register limit only, `lds_bytes` is listed beside it.)
+A kernel whose pipelined tiles take 48 KiB of LDS runs one workgroup a CU however few registers it holds: at 4
+warps that is one wave a SIMD, at 8 warps two.
 
 Two sets are audited. `audit_all`: every kernel in kernels.ISA_SPECS at a representative tile, unspecialized
 (every variant, including ones no decode step launches; MFMA is required of the matmul specs). `audit_launches`:
@@ -87,10 +92,14 @@ class KernelAudit:
                 f"waves/SIMD={self.waves_per_simd} denorm32/16={self.denorm_f32}/{self.denorm_f16}")
 
 
-def occupancy_gfx90a(vgpr_count: int) -> int:
-    """Waves per SIMD allowed by registers on gfx90a (formula in the module docstring)."""
+def occupancy_gfx90a(vgpr_count: int, lds_bytes: int = 0, num_warps: int = 4) -> int:
+    """Waves per SIMD on gfx90a allowed by registers and by LDS (formula in the module docstring)."""
     regs = -(-vgpr_count // 8) * 8
-    return min(8, 512 // max(regs, 8))
+    waves = min(8, 512 // max(regs, 8))
+    if lds_bytes > 0:
+        groups = LDS_LIMIT // (-(-lds_bytes // 512) * 512)
+        waves = min(waves, -(-groups * num_warps // 4))
+    return waves
 
 
 def _meta(text: str, key: str) -> int | None:
@@ -166,7 +175,7 @@ def _compile_and_read(name: str, source: Callable[[], object], options: dict, ma
         a.extra["vgpr_spill_count"] = _meta(text, "vgpr_spill_count")
         a.extra["fp32_fma"] = bool(re.search(r"\bv_(fma|fmac|pk_fma)_f32", text))  # also v_fmac_f32_e32
         if a.vgpr is not None:
-            a.waves_per_simd = occupancy_gfx90a(a.vgpr)
+            a.waves_per_simd = occupancy_gfx90a(a.vgpr, a.lds_bytes or 0, int(options.get("num_warps", 4)))
     else:
         ptx = k.asm.get("ptx", "")
         a.has_mfma = "mma" in ptx

@@ -9,6 +9,8 @@ flip may move a few). Measured here (2026-11-29): float64 worst 2.7e-15, float32
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -226,3 +228,19 @@ def test_joined_linears_compute_what_the_separate_ones_do(tmp_path, monkeypatch)
     assert not any("+" in k for k in apart.w)
     a, b = run_static(joined, ids, 30), run_static(apart, ids, 30)
     assert rel(a, b).max() <= 1e-12
+
+
+def test_launch_lines_name_the_engine_file_however_it_is_imported(tmp_path):
+    """A counted launch names the engine line that issued it when the package is imported from a folder not
+    called engine/ (an installed wheel's site-packages/cdna2_engine/): here a link named cdna2_engine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "cdna2_engine").symlink_to(Path(cdna2_engine.__file__).resolve().parent, target_is_directory=True)
+    code = ("import torch\nfrom cdna2_engine import formats\nfrom cdna2_engine.launches import count_launches\n"
+            "c = torch.arange(16, dtype=torch.uint8)\n"
+            "print(count_launches(lambda: formats.e2m1_to_float(c))[0][1])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("formats.py:"), out

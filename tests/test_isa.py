@@ -60,6 +60,19 @@ def test_occupancy_formula():
     assert isa.occupancy_gfx90a(512) == 1  # 256 arch VGPRs + 256 AGPRs: the unified file is full
 
 
+def test_occupancy_lds_limit():
+    """64 KiB of LDS a CU in 512-byte blocks; a workgroup's waves spread over 4 SIMDs (values worked by hand)."""
+    assert isa.occupancy_gfx90a(64, lds_bytes=49152, num_warps=4) == 1  # one 48 KiB workgroup a CU
+    assert isa.occupancy_gfx90a(64, lds_bytes=49152, num_warps=8) == 2
+    assert isa.occupancy_gfx90a(64, lds_bytes=16384, num_warps=4) == 4  # four workgroups
+    assert isa.occupancy_gfx90a(64, lds_bytes=16385, num_warps=4) == 3  # 33 blocks of 512 B: three fit
+    assert isa.occupancy_gfx90a(200, lds_bytes=16384, num_warps=4) == 2  # registers are the lower limit
+    assert isa.occupancy_gfx90a(64, lds_bytes=65536, num_warps=1) == 1  # one wave, on one SIMD
+    assert isa.occupancy_gfx90a(64, lds_bytes=2048, num_warps=1) == 8  # 32 one-wave groups: registers cap it
+    assert isa.occupancy_gfx90a(64, lds_bytes=65537, num_warps=4) == 0  # does not fit: cannot launch
+    assert isa.occupancy_gfx90a(64, lds_bytes=0, num_warps=8) == 8  # no LDS: no limit from it
+
+
 def test_bad_spec_is_reported():
     """An fp8 matmul tile of 256 x 256 x 128 on 4 warps: the 256 x 256 fp32 accumulator spills (scratch)."""
     from cdna2_engine.ops.triton import kernels as k
