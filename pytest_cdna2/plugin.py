@@ -113,6 +113,9 @@ def resolve_settings(config: pytest.Config) -> Settings:
     model = DEFAULT_MODEL if model_v is None else _path(config, model_v, model_src)
     if model_v is not None and not model.exists():
         raise pytest.UsageError(f"--cdna2-model: {model} does not exist")
+    if model_v is not None and not model.is_dir():
+        raise pytest.UsageError(f"--cdna2-model: {model} is not a folder: pass the checkpoint directory holding "
+                                "config.json")
     gold_v, gold_src = _opt(config, "goldens")
     goldens = DEFAULT_GOLDENS if gold_v is None else _path(config, gold_v, gold_src)
     regen = bool(_opt(config, "regen-goldens")[0])

@@ -122,6 +122,10 @@ def _read(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ToleranceError(f"{path}: tolerance profile not found") from None
+    except OSError as e:  # a folder, no permission: the reason without the traceback
+        raise ToleranceError(f"{path}: cannot read the tolerance profile: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ToleranceError(f"{path}: not valid TOML: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ToleranceError(f"{path}: not valid TOML: {e}") from None
 

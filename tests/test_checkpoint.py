@@ -524,6 +524,8 @@ def test_unquantized_linear_without_scale_accepted(ck, good_logits, key):
     edit_tensors(ck, dense)
     w = read_checkpoint(ck)[1][key]
     assert isinstance(w, QWeight) and w.kind == "dense" and w.scale is None and w.data.dtype == torch.bfloat16
+    # float32 logits, the same weights by another path (the sums' order differs): the float32 profile's 1e-5
+    # (DESIGN.md section 5)
     torch.testing.assert_close(load_model(ck).forward(IDS), good_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -616,13 +618,9 @@ def test_convert_refuses_destination_that_is_a_file(good, tmp_path):
 
 
 def test_convert_of_already_quantized_checkpoint(good, tmp_path):
-    """An official FP8/MXFP4 source must either be refused in one line or convert to the same weights."""
+    """An official FP8/MXFP4 source is refused in one line that names it, and nothing is written."""
     dst = tmp_path / "out"
-    try:
+    with pytest.raises(CheckpointError, match="is already quantized: this folder is in the official layout") as e:
         convert_hf_checkpoint(good, dst)
-    except CheckpointError as e:
-        assert "\n" not in str(e) and str(good) in str(e)
-        return
-    a, b = read_checkpoint(good)[1], read_checkpoint(dst)[1]
-    key = "layers.0.attn.wq_a.weight"
-    assert torch.equal(fp8_dequant(a[key].data, a[key].scale), fp8_dequant(b[key].data, b[key].scale))
+    assert "\n" not in str(e.value) and str(good) in str(e.value)
+    assert not dst.exists() or not any(dst.iterdir())

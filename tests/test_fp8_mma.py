@@ -83,49 +83,6 @@ def test_decode_ptx_is_exact_for_every_code():
                 assert v == want[c].item(), (hex(c), v, want[c].item())
 
 
-def mma_replay(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The accumulator [16 rows, 8 columns] for one 16-row tile W [16, K] (E4M3 bytes) and x [M, K] (float64) as
-    the kernel feeds mma.sync: in the step at k0 (128 wide) lane 4g + t loads 32 bytes of rows g and g + 8 from
-    k0 + 32t; its word i is A registers (0, 2) (row g) and (1, 3) (row g + 8) of mma step i, and its B registers are
-    token g's x at the same 4 columns (zero for g >= M). Per the fragment tables, A register j holds (row g + 8 (j &
-    1), column 2t + 8 (j >> 1) + h) in half h and B register j holds (column 2t + 8 j + h, n = g); D[r, n] = sum over
-    columns A[r, col] B[col, n]."""
-    vals = w.view(torch.float8_e4m3fn).double()
-    y = torch.zeros(16, 8, dtype=torch.float64)
-    for k0 in range(0, w.shape[1], 128):
-        for i in range(8):
-            a = torch.zeros(16, 16, dtype=torch.float64)
-            b = torch.zeros(16, 8, dtype=torch.float64)
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                base = k0 + 32 * t + 4 * i  # the lane's word i: 4 bytes from here
-                for j in range(4):
-                    row = g + 8 * (j & 1)
-                    for h in range(2):
-                        a[row, 2 * t + 8 * (j >> 1) + h] = vals[row, base + 2 * (j >> 1) + h]
-                if g < x.shape[0]:
-                    for j in range(2):
-                        for h in range(2):
-                            b[2 * t + 8 * j + h, g] = x[g, base + 2 * j + h]
-            y += a @ b
-    return y
-
-
-@pytest.mark.parametrize("kk,m", [(128, 2), (384, 8), (256, 5)])
-def test_operand_mapping_gives_w_times_each_token(kk, m):
-    """Accumulator column n is W x_n for the M tokens, zero beyond; the kernel's lane (g, t) stores columns 2t and
-    2t + 1 of rows g and g + 8. This replays the mapping as the kernel's comments state it (bytes and x values a
-    lane feeds to each step), not the kernel's code: the GPU test below checks the code."""
-    g = torch.Generator().manual_seed(kk + m)
-    w = torch.randint(0, 256, (16, kk), generator=g, dtype=torch.int32).to(torch.uint8)
-    w[(w & 0x7F) == 0x7F] = 0x38
-    x = torch.randn(m, kk, generator=g, dtype=torch.float64).to(torch.bfloat16).double()
-    wv = w.view(torch.float8_e4m3fn).double()
-    y = mma_replay(w, x)
-    assert torch.allclose(y[:, :m], wv @ x.T, rtol=1e-12, atol=0)  # float64 order only
-    assert not y[:, m:].any()
-
-
 def test_tensor_core_fp8_is_off_on_the_cpu():
     x = torch.zeros(4, 1, 1024, dtype=torch.bfloat16)
     assert not tri._fp8_mma_on(x, torch.zeros(256, 1024, dtype=torch.uint8), 256, 1024)

@@ -4,8 +4,8 @@ The kernels themselves are inline PTX (GPU only: bench/probe_mma.py and the GPU 
 repacked words are read back the way mma.sync m16n8k16 consumes them, per the PTX ISA's fragment table: lane
 4g + t's A register j holds (row g + 8 (j & 1), column 2t + 8 (j >> 1) + h) in its half h, and the accumulator
 lane 4g + t holds rows g, g + 8 of column pair (2t, 2t + 1), here scale group t. Each register is made by the
-kernel's own bit recipe (`_a_regs`, restated in torch), read as bf16, times 2^126. The product with x must equal
-the dequantized reference exactly (every value and product is exact in float64).
+kernel's own bit recipe (`_a_regs`, its body run on torch tensors), read as bf16, times 2^126. The product with
+x must equal the dequantized reference exactly (every value and product is exact in float64).
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import torch
 from cdna2_engine.ops import QWeight
 from cdna2_engine.ops import reference as ref
 from cdna2_engine.ops import triton as tri
+from cdna2_engine.ops.triton import kernels
 from cdna2_engine.ops.triton.mma_layout import interleave_rows, mma_repack
 
 M32 = 0xFFFFFFFF
 
 
-def a_regs(w: torch.Tensor) -> list[torch.Tensor]:
-    """kernels._a_regs on int64 holders of uint32 words."""
-    return [w & 0x81C081C0, ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000),
-            ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000), ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)]
+def a_regs(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' own `_a_regs` (its Python body: masks and shifts) on int64 holders of uint32 words; the masks
+    drop every bit a shift moves past bit 31."""
+    return kernels._a_regs.fn(w)
 
 
 def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,8 @@ def test_defaults_point_at_the_bundled_model(pytester):
          "*--cdna2-regen-goldens cannot run under xdist*"),
         (["--cdna2-regen-goldens"], "", "*--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite*"),
         ([], "cdna2_perf_on_cpu = maybe", "*ini key cdna2_perf_on_cpu: *'maybe'*; expected true or false"),
+        (["--cdna2-model=t.toml"], "", "*--cdna2-model: */t.toml is not a folder: pass the checkpoint directory*"),
+        (["--cdna2-tolerance=."], "", "*--cdna2-tolerance: *: cannot read the tolerance profile: Is a directory"),
     ],
 )
 def test_bad_values_are_usage_errors(pytester, args, ini, message):

@@ -140,6 +140,8 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     out = torch.empty(*shape, dtype=dtype, device=device)
     if not POISON:
         return out
+    if dtype == torch.bool:  # a mask: every unwritten entry reads as picked
+        return out.fill_(True)
     return out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(dtype).min)
 
 
@@ -874,7 +876,7 @@ def topk_mask(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> 
     w = scores.shape[-1]
     if w > TOPK_MAX_WIDTH or k > w or scores.dtype != torch.float32 or _use_reference(scores):
         return _ref.topk_mask(scores, k, out)
-    mask = out if out is not None else torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    mask = out if out is not None else _empty(*scores.shape, dtype=torch.bool, device=scores.device)
     if k == 0:
         return mask.zero_()
     s2 = scores.reshape(-1, w).contiguous()
