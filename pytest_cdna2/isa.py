@@ -72,6 +72,12 @@ class KernelAudit:
             return [f"does not compile: {self.error}"]
         out = []
         if self.target.startswith("gfx"):
+            unread = [k for k, v in (("private_segment_fixed_size", self.scratch_bytes), ("vgpr_count", self.vgpr),
+                                     ("amdhsa_float_denorm_mode_32", self.denorm_f32),
+                                     ("amdhsa_float_denorm_mode_16_64", self.denorm_f16)) if v is None]
+            if unread:  # a Triton/LLVM that renamed them: an unread rule must not pass as kept
+                out.append(f"amdgcn metadata {', '.join(unread)} not found: this Triton's output cannot be audited "
+                           "(pytest_cdna2/isa.py reads those keys)")
             if self.scratch_bytes:
                 out.append(f"scratch {self.scratch_bytes} B (registers spilled to memory)")
             if self.lds_bytes is not None and self.lds_bytes > LDS_LIMIT:

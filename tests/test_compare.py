@@ -191,3 +191,34 @@ def test_selection_diff_splits_near_ties_from_real_flips():
     assert selection_diff(golden, golden, tie_margin=0.0).first_real is None
     with pytest.raises(ValueError, match="selection keys differ"):
         selection_diff({}, golden, tie_margin=0.0)
+
+
+@pytest.mark.parametrize("limits", [{"topk": 5}, {}], ids=["topk-only", "no-limits"])
+def test_a_nan_row_fails_whatever_the_limits(limits):
+    """NaN in the actual logits only fails even when no metric limit would notice it (the greedy check passes
+    only topk, and a NaN row ranks the expected argmax first)."""
+    from pytest_cdna2.compare import assert_logits_close
+
+    e = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    a = e.clone()
+    a[2] = float("nan")
+    with pytest.raises(AssertionError, match=r"nonfinite 32 at step 2 \(limit 0\)"):
+        assert_logits_close(a, e, limits=limits)
+
+
+def test_first_real_flip_is_the_earliest_step_then_the_lowest_layer():
+    """`cdna2 bisect` starts at first_real: the earliest step, and at that step the lowest layer (a later layer
+    at the same step may be the echo of the first)."""
+    from types import SimpleNamespace as S
+
+    from pytest_cdna2.compare import selection_diff
+
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    golden = {(layer, "router"): S(indices=idx, margin=torch.ones(3)) for layer in (0, 1, 2)}
+    engine = {(0, "router"): S(indices=torch.tensor([[0, 1], [2, 3], [4, 6]]), margin=None),  # step 2
+              (1, "router"): S(indices=torch.tensor([[0, 1], [2, 7], [4, 6]]), margin=None),  # steps 1, 2
+              (2, "router"): S(indices=torch.tensor([[0, 1], [2, 7], [4, 5]]), margin=None)}  # step 1
+    assert selection_diff(engine, golden, tie_margin=1e-4).first_real == (1, "router", 1)
+    engine[(2, "router")] = S(indices=idx[:, :1], margin=None)
+    with pytest.raises(ValueError, match=r"selection \(2, 'router'\): shape \(3, 1\) != expected \(3, 2\)"):
+        selection_diff(engine, golden, tie_margin=1e-4)

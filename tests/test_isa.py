@@ -83,6 +83,18 @@ def test_bad_spec_is_reported():
     assert a.violations(), a.row()
 
 
+def test_unread_metadata_is_a_violation(monkeypatch):
+    """A Triton whose amdgcn output no longer carries the keys the audit reads (simulated: the reader finds
+    nothing) must fail the audit, not pass every rule it could not read."""
+    from cdna2_engine.ops.triton import kernels as k
+
+    name, fn, (sig, const), warps, matmul = next(s for s in k.ISA_SPECS if s[0] == "rms_norm")
+    assert not isa.audit_kernel(name, fn, sig, const, warps, matmul).violations()
+    monkeypatch.setattr(isa, "_meta", lambda text, key: None)
+    bad = isa.audit_kernel(name, fn, sig, const, warps, matmul).violations()
+    assert len(bad) == 1 and "private_segment_fixed_size, vgpr_count, amdhsa_float_denorm_mode_32" in bad[0]
+
+
 def test_compile_error_is_a_violation():
     a = isa.audit_kernel("broken", object(), {}, {}, 4, False)
     assert not a.compiled and a.violations()[0].startswith("does not compile")
