@@ -35,7 +35,8 @@ def test_triton_backend_matches_reference(tmp_path, name):
     # one op switched back to its reference (CDNA2_REFERENCE_OPS's mechanism) still agrees
     mixed = cdna2_engine.load_model(path, dtype=torch.float32, backend="triton", reference_ops=["attention"])
     assert mixed.ops.attention.__module__.endswith("reference")
-    assert ((mixed.forward(ids).double() - truth).norm(dim=-1) / truth.norm(dim=-1)).median() <= 1e-5
+    rel = (mixed.forward(ids).double() - truth).norm(dim=-1) / truth.norm(dim=-1)
+    assert (rel <= 1e-5).double().mean() >= 0.99, f"attention from the reference: worst {rel.max():.2e}"
     # hc_weights, or the pre ops alone: they pass the mix sums between them, in a form both backends share (a
     # causal prefix of the prompt: its logits are truth's first ones)
     short = ids[:, :48]
