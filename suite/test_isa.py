@@ -1,4 +1,5 @@
-"""ISA tier: every Triton kernel compiled ahead of time for gfx90a (wave64) and sm_90, no GPU needed.
+"""ISA tier: every Triton kernel compiled ahead of time for gfx90a (wave64) and sm_90, no GPU needed (the
+CUDA-only forms, hardware FP8 conversion and inline-PTX tensor-core kernels, for sm_90 alone).
 On gfx90a: no scratch (nothing spilled), LDS <= 64 KiB, v_mfma in matmul kernels; the report lists
 registers and waves per SIMD per kernel (pytest -rA or the JUnit properties show them).
 Two sets: each kernel at a representative tile as written (every variant), and the launches a V4-Flash
@@ -12,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.isa
 triton = pytest.importorskip("triton", reason="the ISA tier compiles Triton kernels: pip install triton")
 
-from cdna2_engine.ops.triton.kernels import ISA_SPECS  # noqa: E402
+from cdna2_engine.ops.triton.kernels import ISA_SPECS, ISA_SPECS_SM90  # noqa: E402
 from pytest_cdna2.isa import GFX90A, SM90, audit_kernel, audit_launches, triton_too_old  # noqa: E402
 
 TOO_OLD = triton_too_old()
@@ -24,8 +25,10 @@ def test_triton_compiles_these_kernels():
 
 
 @pytest.mark.skipif(TOO_OLD is not None, reason="the Triton installed is too old: test_triton_compiles_these_kernels")
-@pytest.mark.parametrize("target", [GFX90A, SM90], ids=["gfx90a", "sm_90"])
-@pytest.mark.parametrize("spec", ISA_SPECS, ids=[s[0] for s in ISA_SPECS])
+@pytest.mark.parametrize("spec, target", [(s, t) for s in ISA_SPECS for t in (GFX90A, SM90)]
+                         + [(s, SM90) for s in ISA_SPECS_SM90],  # hardware FP8 and inline-PTX forms: CUDA only
+                         ids=[f"{s[0]}-{t}" for s in ISA_SPECS for t in ("gfx90a", "sm_90")]
+                         + [f"{s[0]}-sm_90" for s in ISA_SPECS_SM90])
 def test_kernel_compiles_clean(spec, target, record_property, cdna2_record):
     name, fn, (sig, const), warps, matmul = spec
     audit = audit_kernel(name, fn, sig, const, warps, matmul, target)

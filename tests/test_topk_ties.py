@@ -28,8 +28,9 @@ def test_topk_is_independent_of_row_length_under_ties():
     scores = torch.randint(0, 3, (64, 40), generator=g).float()  # heavy ties
     for n in (12, 25, 40):
         idx, _ = reference.topk(scores[:, :n], 5)
-        order = sorted(range(n), key=lambda j: (-scores[0, j].item(), j))[:5]
-        assert idx[0].tolist() == order
+        for r in range(scores.shape[0]):  # every row: the highest scores, ties to the lower index
+            order = sorted(range(n), key=lambda j: (-scores[r, j].item(), j))[:5]
+            assert idx[r].tolist() == order, r
 
 
 def test_prefix_prefill_matches_longer_prefill_with_indexer_ties(tmp_path):
