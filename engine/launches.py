@@ -22,14 +22,15 @@ FREE = frozenset({
 # The engine's own files, by this package's folder as imported (installed, it is site-packages/cdna2_engine/,
 # not engine/): a frame's filename is the path its module was imported from.
 _ROOT = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIP = (os.path.join(_ROOT, "ops", "triton") + os.sep, os.path.abspath(__file__))
+_KERNELS = os.path.join(_ROOT, "ops", "triton") + os.sep  # the launching wrappers, not the line that asked
+_SELF = os.path.abspath(__file__)
 
 
 def issuing_line() -> str:
     """"file:line code" of the engine line (outside ops/triton) that issued the launch being made."""
     for fr in reversed(traceback.extract_stack()[:-2]):
         path = os.path.abspath(fr.filename)
-        if path.startswith(_ROOT) and not path.startswith(_SKIP[0]) and path != _SKIP[1]:
+        if path.startswith(_ROOT) and not path.startswith(_KERNELS) and path != _SELF:
             return f"{os.path.basename(path)}:{fr.lineno} {(fr.line or '').strip()[:70]}"
     return "?"
 
