@@ -1,20 +1,20 @@
 """Attention at V4-Flash shapes (64 heads x 512, shared K = V) with the model's masks, GPU time per call: decode
 (one token; window 128 + a CSA layer's entries with 512 picked, at several contexts) and prefill (every
-position; window 128 + entries visible by position, all picked while fewer than 512). `--old FILE` times a
-second kernels module (e.g. `git show HEAD~1:engine/ops/triton/kernels.py > old.py`) beside the current one, in
-the same process; `--variant` the current one with launch settings changed (bench_slice.py's --set items,
+position; window 128 + entries visible by position, all picked while fewer than 512). `--old DIR` times a
+second kernels package (e.g. `mkdir old && git archive HEAD~1 engine/ops/triton/kernels | tar -x -C old`, then
+`--old old/engine/ops/triton/kernels`) beside the current one, in the same process; `--variant` the current
+one with launch settings changed (bench_slice.py's --set items,
 ';' between several: "ATTN_GATHER_KEYS=0;ATTN_WIDE.num_warps=4"). Every variant must agree
 with the current one (rel. Frobenius <= 1e-2, bench_kernels.check: bf16 outputs; a non-zero exit names a failed
 case). The current kernel against float64 is the suite's and bench_kernels.py's.
 
-    python bench/probe_attention.py [--old old.py] [--variant "ATTN_SCAN=256" ...] [--out DIR]   # GPU, ~1 min
+    python bench/probe_attention.py [--old DIR] [--variant "ATTN_SCAN=256" ...] [--out DIR]   # GPU, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import os
 import sys
 
@@ -53,7 +53,7 @@ def prefill_case(s: int, g: torch.Generator) -> tuple:
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", help="a second kernels module to time beside the current one")
+    ap.add_argument("--old", help="a second kernels package (its folder) to time beside the current one")
     ap.add_argument("--variant", action="append", default=[],
                     help="also time the current kernels with these launch settings (bench_slice.py's --set items, "
                          "';' between)")
@@ -63,10 +63,7 @@ def main() -> None:
     for variant in a.variant:
         mods[variant] = (tri._compiled, [i.strip() for i in variant.split(";") if i.strip()])
     if a.old:
-        spec = importlib.util.spec_from_file_location("old_kernels", a.old)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-        mods["old"] = (old, [])
+        mods["old"] = (tri.load_kernels(a.old, "old_kernels"), [])
     defaults = launch_settings()
 
     def restore() -> None:

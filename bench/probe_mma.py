@@ -12,7 +12,7 @@ comes from the hardware lane and warp ids, so it does not depend on how Triton l
     python bench/probe_mma.py [--out DIR]          # on the GPU machine (sm_80+: inline PTX)
 
 Results of 2026-11-30 (H200): bench/results/probe_mma_run51.json, bench/NOTES.md run 51. The engine's kernels
-(kernels.py `moe_mma_*`) grew from this one: two row tiles (gate, up) a warp, K split, in-launch sums.
+(kernels/mma.py `moe_mma_*`) grew from this one: two row tiles (gate, up) a warp, K split, in-launch sums.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_kernels as B  # noqa: E402
 
-from cdna2_engine.ops.triton import kernels as ek  # noqa: E402
+from cdna2_engine.ops.triton.kernels import mma as ek  # noqa: E402
 from cdna2_engine.ops.triton.mma_layout import mma_repack  # noqa: E402
 
 

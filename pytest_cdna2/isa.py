@@ -3,7 +3,7 @@
 For gfx90a (wave64) the amdgcn text carries `.vgpr_count`, `.agpr_count`, `.sgpr_count` and
 `.private_segment_fixed_size` (scratch bytes: 0 means nothing spilled to memory) and `metadata.shared` is
 the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E2M1/E4M3 through fp32
-(and fp16) subnormal bit patterns (engine/ops/triton/kernels.py), so `.amdhsa_float_denorm_mode_32` and
+(and fp16) subnormal bit patterns (engine/ops/triton/kernels/base.py), so `.amdhsa_float_denorm_mode_32` and
 `_16_64` must stay 3 (denormals kept on input and output).
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
@@ -208,7 +208,7 @@ def audit_all(targets: tuple[tuple, ...] = (GFX90A, SM90)) -> list[KernelAudit]:
 
 @dataclass
 class Launch:
-    """One kernel launch as the engine issued it: the kernel's name in kernels.py, its arguments and options,
+    """One kernel launch as the engine issued it: the kernel's name in the kernels package, its arguments and options,
     the engine line that issued it."""
 
     kernel: str

@@ -1,4 +1,4 @@
-"""The few-token tensor-core FP8 linear (kernels.fp8_mma_kernel) against independent readings of it.
+"""The few-token tensor-core FP8 linear (kernels/mma.py `fp8_mma_kernel`) against independent readings of it.
 
 The kernel is inline PTX (GPU only: the GPU tests below and bench/probe_fp8.py --mma run it). On the CPU:
 - the E4M3 -> bf16 decode is executed from the kernel's own PTX text by a small evaluator of its three
@@ -20,6 +20,7 @@ from cdna2_engine.ops import QWeight
 from cdna2_engine.ops import reference as ref
 from cdna2_engine.ops import triton as tri
 from cdna2_engine.ops.triton import kernels as K
+from cdna2_engine.ops.triton.kernels import mma
 
 M32 = 0xFFFFFFFF
 
@@ -40,7 +41,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
 
 def run_decode_ptx(word: int) -> tuple[int, int]:
     """Execute `_e4m3_bf16x2`'s PTX text on one word (outputs $0, $1)."""
-    asm = re.search(r'"\{(.*?)\}"', inspect.getsource(K._e4m3_bf16x2.fn).replace('"\n        "', ""), re.S).group(1)
+    asm = re.search(r'"\{(.*?)\}"', inspect.getsource(mma._e4m3_bf16x2.fn).replace('"\n        "', ""), re.S).group(1)
     regs = {"$2": word}
     for ins in filter(None, (s.strip() for s in asm.split(";"))):
         op, rest = ins.split(None, 1)

@@ -32,10 +32,17 @@ def test_every_kernel_compiles_for_both_targets(audits):
 
 
 def test_no_kernel_is_left_out_of_the_audit():
-    """A kernel added to kernels.py without an ISA spec would silently skip the gfx90a audit."""
+    """A kernel added to a module of the kernels package without an ISA spec would silently skip the gfx90a audit,
+    and one the package does not export could not be launched (the launchers look kernels up by name there)."""
+    import importlib
+    import pkgutil
+
     from cdna2_engine.ops.triton import kernels as k
 
-    defined = {n for n in dir(k) if n.endswith("_kernel")}
+    defined = {n for m in pkgutil.iter_modules(k.__path__)
+               for n in dir(importlib.import_module(f"{k.__name__}.{m.name}")) if n.endswith("_kernel")}
+    assert len(defined) > 20  # the walk found the modules' kernels
+    assert defined - set(k.__all__) == set(), f"add to kernels/__init__.py: {sorted(defined - set(k.__all__))}"
     audited = {spec[1].fn.__name__ for spec in k.ISA_SPECS + k.ISA_SPECS_SM90}
     assert defined - audited == set(), f"kernels without an ISA spec: {sorted(defined - audited)}"
 
@@ -131,9 +138,13 @@ def test_fma_contraction_is_pinned_in_launches_and_the_audit(monkeypatch):
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     sig = {"a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "y_ptr": "*fp32"}
-    assert isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A).extra["fp32_fma"]
+    pinned = isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A)
+    assert pinned.compiled, pinned.error
+    assert pinned.extra["fp32_fma"]
     monkeypatch.setattr(tri, "COMPILE_OPTIONS", {"enable_fp_fusion": False})  # the audit can tell the difference
-    assert not isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A).extra["fp32_fma"]
+    unpinned = isa.audit_kernel("axpb", axpb, sig, {}, 1, False, isa.GFX90A)
+    assert unpinned.compiled, unpinned.error
+    assert not unpinned.extra["fp32_fma"]
 
     seen = []
 

@@ -16,7 +16,7 @@ import torch
 from cdna2_engine.ops import QWeight
 from cdna2_engine.ops import reference as ref
 from cdna2_engine.ops import triton as tri
-from cdna2_engine.ops.triton import kernels
+from cdna2_engine.ops.triton.kernels import mma
 from cdna2_engine.ops.triton.mma_layout import interleave_rows, mma_repack
 
 M32 = 0xFFFFFFFF
@@ -25,7 +25,7 @@ M32 = 0xFFFFFFFF
 def a_regs(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernels' own `_a_regs` (its Python body: masks and shifts) on int64 holders of uint32 words; the masks
     drop every bit a shift moves past bit 31."""
-    return kernels._a_regs.fn(w)
+    return mma._a_regs.fn(w)
 
 
 def read_back(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def test_h_is_stored_in_the_order_down_lanes_read_it():
     """gate/up writes h (hi part at _hb_index, lo 32 further) where down's lane L = 4 (2 gg + part) + t reads its B
     registers with one 16-byte load at L * 8 of each 128-channel tile: pairs 2t, 2t + 8, 2t + 16, 2t + 24 of
     group gg (the m16n8k16 B fragment of steps 2 gg and 2 gg + 1). Every position once."""
-    from cdna2_engine.ops.triton.kernels import _hb_index
+    from cdna2_engine.ops.triton.kernels.mma import _hb_index
 
     ch = torch.arange(3 * 128)
     where = _hb_index.fn(ch)  # the jit function's Python body: integer arithmetic, run on torch tensors

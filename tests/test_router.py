@@ -22,6 +22,10 @@ SCORES = {
 def test_router_selection_matches_the_formula(tmp_path, scoring):
     cfg = make_config("csa-only", scoring_func=scoring, num_hash_layers=1)
     model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=6), dtype=torch.float64)
+    # experts in twins (2i + 1 scores as 2i): with 3 of 8 picked, every row's third pick is a tie at the boundary
+    for name in ("layers.1.ffn.gate.weight", "layers.1.ffn.gate.bias"):
+        t = model.w[name].data if name.endswith("weight") else model.w[name]
+        t[1::2] = t[0::2]
     ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
     tr = model.trace(ids, taps=["0.ffn_in", "1.ffn_in"])
     assert (0, "router") not in tr.selections  # layer 0 is a hash layer: nothing to record
@@ -34,6 +38,9 @@ def test_router_selection_matches_the_formula(tmp_path, scoring):
     want = [sorted(range(cfg.n_routed_experts), key=lambda e, r=row: (-r[e].item(), e))[: cfg.num_experts_per_tok]
             for row in biased.reshape(-1, cfg.n_routed_experts)]
     got = tr.selections[(1, "router")].indices.reshape(-1, cfg.num_experts_per_tok).tolist()
+    k = cfg.num_experts_per_tok
+    ranked = biased.reshape(-1, cfg.n_routed_experts).sort(-1, descending=True).values
+    assert torch.equal(ranked[:, k - 1], ranked[:, k]), "every row must tie at the k-th pick (the twins)"
     assert got == want
     # the hash layer routes by token id: forcing its table's choice changes nothing
     table = model.w["layers.0.ffn.gate.tid2eid"].long()

@@ -7,6 +7,7 @@ section 5, kernel tier, fp32 operands); the Sinkhorn split is elementwise in fp3
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -637,3 +638,21 @@ def test_backend_without_triton_says_so(monkeypatch):
     with pytest.raises(RuntimeError, match=re.escape("needs Triton >= 3.5, which is not installed: pip install "
                                                       "'triton>=3.5', or use the reference backend")):
         get_ops("triton")
+
+
+def test_interpreted_kernels_are_a_second_copy_of_every_module():
+    """The CPU's kernels are the package loaded again under TRITON_INTERPRET=1, each module with it: a helper
+    imported from a sibling module must be the interpreted copy too, not the compiled one."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from cdna2_engine.ops.triton import kernels
+
+    interp = tri._interpreted()
+    assert interp is not kernels and interp.__name__.endswith("._kernels_interp")
+    for module, helper in (("fp8", "_split_sum"), ("mma", "_e8m0"), ("attention", "_rotate")):
+        mine = getattr(importlib.import_module(f"{interp.__name__}.{module}"), helper)
+        assert isinstance(mine, InterpretedFunction), (module, helper)
+        assert isinstance(getattr(importlib.import_module(f"{kernels.__name__}.{module}"), helper),
+                          triton.runtime.JITFunction)
+    assert isinstance(interp.fp8_stream_kernel, InterpretedFunction)

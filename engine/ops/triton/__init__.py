@@ -2,7 +2,7 @@
 
 Each public function has the name and signature of its `reference` twin. Tensors on a GPU run the
 compiled kernels; CPU tensors run the same kernel source in Triton's interpreter (a second copy of
-`kernels.py` decorated with TRITON_INTERPRET=1, so one process can hold both: the interpreter decides
+the `kernels` package decorated with TRITON_INTERPRET=1, so one process can hold both: the interpreter decides
 at decoration time, and the ISA tier needs the compiled copy). The interpreter cannot run bf16
 tensors (DESIGN.md section 7), so on the CPU bf16 inputs go to the reference op, as does float64
 (the kernels accumulate in fp32). `topk` runs k passes for the router's small k (a device sort of 256
@@ -82,21 +82,28 @@ def _interpreter_check(triton_version: str, numpy_version: str) -> None:
                            "of a 1-element array): pip install 'numpy<2.4' or 'triton>=3.7'")
 
 
+def load_kernels(folder: str, name: str) -> ModuleType:
+    """A kernels package (folder: its directory, as engine/ops/triton/kernels) loaded afresh as `name`, its modules
+    with it: a second copy whose @triton.jit functions are decorated under the environment of the moment (the
+    interpreter's copy; bench/probe_attention.py's older kernels beside the current ones)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _interpreted() -> ModuleType:
-    """kernels.py loaded a second time with every @triton.jit turned into an interpreted function."""
+    """The kernels package loaded a second time with every @triton.jit turned into an interpreted function."""
     global _INTERP
     if _INTERP is None:
         import numpy
         import triton
 
         _interpreter_check(triton.__version__, numpy.__version__)
-        name = __name__ + "._kernels_interp"
-        spec = importlib.util.spec_from_file_location(name, _compiled.__file__)
-        mod = importlib.util.module_from_spec(spec)
         with _interpret_env():
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        _INTERP = mod
+            _INTERP = load_kernels(os.path.dirname(_compiled.__file__), __name__ + "._kernels_interp")
     return _INTERP
 
 
@@ -227,7 +234,7 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 # 64); the stream (gfx90a, fp32/fp16 activations, the CPU interpreter) 1.9x / 1.6x faster at 4 / 16, level at 64.
 MOE_PAIRS_MAX_T = {"mma": 64, "stream": 16}
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
-# Attention reads only a query's visible keys (kernels.py attention_kernel, GATHER), compacting its mask row ATTN_SCAN
+# Attention reads only a query's visible keys (attention_kernel, GATHER), compacting its mask row ATTN_SCAN
 # entries at a time (a power of two). A decode split does so from ATTN_GATHER_KEYS keys on and reads every key below
 # that, where its key loads then need not wait for its mask's. Unsplit programs (a prefill's, and a batched decode
 # of 33+ sequences at 64 heads, where the dense form was not measured) always gather. H200, V4-Flash's 64 heads
@@ -243,7 +250,7 @@ ATTN_WIDE_SPLIT = {"BLOCK_H": 16, "BLOCK_L": 32, "num_warps": 4}
 ATTN_WIDE_ROCM = {"BLOCK_L": 16, "num_warps": 8}  # both forms there, untuned: the ISA tier's 2-3 waves a SIMD
 
 
-# FP8 at 2..max_m tokens (a batched decode step) on the tensor cores (kernels.py `fp8_mma_kernel`: CUDA sm_80+, bf16
+# FP8 at 2..max_m tokens (a batched decode step) on the tensor cores (kernels/mma.py `fp8_mma_kernel`: CUDA sm_80+, bf16
 # x), instead of the tensor-core tile FP8_DOT, whose 16-row blocks decode W for padding rows (NOTES run 104: 18 us on
 # wq_b from 2 to 16 rows, 1.4x one row's stream); min_warps: K is split until the launch has this many one-warp
 # programs (run 61's tuning at one token).
@@ -508,7 +515,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
                                        "SWAP": bool(c.get("SWAP", False))}
 
 
-# MXFP4 at a few tokens on the tensor cores (CUDA sm_80+, bf16 activations; kernels.py `moe_mma_*`; one program row
+# MXFP4 at a few tokens on the tensor cores (CUDA sm_80+, bf16 activations; kernels/mma.py `moe_mma_*`; one program row
 # per (token, slot) pair): the experts' weights repacked once into the mma fragment layout (mma_layout.py; a second
 # copy of each stack, made at its first such step), K split over SPLIT programs whose partials the last to arrive
 # adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
@@ -577,7 +584,7 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """hb [t k, I / 128, 256] bf16 (one row per (token, slot) pair): swiglu(W1 x, W3 x) x 2^64 split hi + lo, the
-    down kernel's B operand (in the order its lanes read it: kernels.py `_hb_index`)."""
+    down kernel's B operand (in the order its lanes read it: kernels/mma.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
     p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)

@@ -1,0 +1,407 @@
+"""Inline-PTX tensor-core kernels (CUDA sm_80+ only; gfx90a takes the portable forms): the MXFP4 MoE at a few
+tokens and the FP8 linear at 2-8 rows."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .base import _e8m0, gdc_launch_dependents, gdc_wait
+
+# MXFP4 at one token on the tensor cores (CUDA sm_80+, inline PTX mma.sync m16n8k16 bf16 -> fp32)
+#
+# The weights are repacked once (ops: `mma_repack`) so that each lane's two 16-byte loads of a [16 rows x 128 K]
+# tile hold exactly its A fragments for the tile's 8 mma steps, with each code's bits placed so that shifts and
+# masks (`_a_regs`: 12 integer instructions a word of 8 codes) make bf16 pairs of E2M1 x 2^-126 values (bf16
+# subnormals for the 0.5 code: exact on the tensor cores). x is the B operand times 2^64 (so products of ordinary
+# activations stay fp32 normals), block-diagonal over the tile's 4 scale groups and split hi + lo in bf16 (columns
+# 2q, 2q + 1 hold group q's two parts); so each accumulator column holds one group's partial sum, and per tile the
+# lane undoes the 2^-62 and applies the group scales. These kernels are written per thread: every address comes
+# from the hardware lane id and each program is one warp, so they do not depend on how Triton lays tensors over
+# threads; the split-K sums and the epilogues are ordinary Triton code over the tile's rows (fixed-order trees).
+# Limits: |x| < 2^64 (bf16 x 2^64 must not overflow); a product |code x x| below about 2^-87 flushes to zero.
+
+
+@triton.jit
+def _lane_roles():
+    """This thread's (lane, g, t, gg, part): fragment row group g = lane // 4, column pair t = lane % 4, and for
+    the B operand its column's scale group gg = g // 2 and hi/lo part g % 2 (one [32] element per lane)."""
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((32,), dtype=tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+    g = lane // 4
+    return lane, g, lane % 4, g // 2, g % 2
+
+
+@triton.jit
+def _ld16(ptr):
+    """16 bytes as 4 words (streamed once: no L1 allocation)."""
+    return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                     [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return tl.inline_asm_elementwise(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _quad_sum(v):
+    """Sum over the 4 lanes of a fragment row (lane xor 1, 2)."""
+    v += tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;", "=f,f", [v], dtype=tl.float32,
+                                   is_pure=True, pack=1)
+    return v + tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=f,f", [v],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _a_regs(w):
+    """A word's 8 codes -> the lane's 4 A registers (see `mma_repack` for where each code's bits sit)."""
+    p0 = w & 0x81C081C0
+    p1 = ((w >> 3) & 0x01C001C0) | ((w << 1) & 0x80008000)
+    p2 = ((w << 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
+    p3 = ((w << 6) & 0x01C001C0) | ((w << 3) & 0x80008000)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _mma_step(w, b0, b1, act, c0, c1, c2, c3):
+    a0, a1, a2, a3 = _a_regs(w)
+    z = tl.zeros_like(b0)
+    return _mma_bf16(a0, a1, a2, a3, tl.where(act, b0, z), tl.where(act, b1, z), c0, c1, c2, c3)
+
+
+@triton.jit
+def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
+    """One [16 rows x 128 K] tile: 8 mma steps; the lane's B registers (xb*) are live in steps 2 gg, 2 gg + 1
+    (its column's group). Returns the tile's contribution to rows g and g + 8, group scales applied."""
+    c0 = tl.zeros_like(s0).to(tl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c0, c1, c2, c3 = _mma_step(w0, xb0, xb1, gg == 0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w1, xb2, xb3, gg == 0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w2, xb0, xb1, gg == 1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w3, xb2, xb3, gg == 1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w4, xb0, xb1, gg == 2, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w5, xb2, xb3, gg == 2, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w6, xb0, xb1, gg == 3, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w7, xb2, xb3, gg == 3, c0, c1, c2, c3)
+    two62 = 4611686018427387904.0  # undoes E2M1 x 2^-126 and x x 2^64 before the scale: no exponent wraps
+    return (c0 + c1) * two62 * _e8m0(s0, 0), (c2 + c3) * two62 * _e8m0(s1, 0)
+
+
+@triton.jit
+def _x_2_64(v0, v1, v2, v3):
+    """4 bf16 pairs times 2^64 (x * 2^64 + -0 by fma.bf16x2: exact, which sm_80 has and mul.bf16x2 needs sm_90)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $4, c, z; "
+        "fma.rn.bf16x2 $1, $5, c, z; fma.rn.bf16x2 $2, $6, c, z; fma.rn.bf16x2 $3, $7, c, z; }",
+        "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_x(x_ptr, part):
+    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
+    part get zero)."""
+    p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    v0, v1, v2, v3 = _x_2_64(tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12))
+    z = tl.zeros_like(v0)
+    hi = part == 0
+    return tl.where(hi, v0, z), tl.where(hi, v1, z), tl.where(hi, v2, z), tl.where(hi, v3, z)
+
+
+@triton.jit
+def _mma_h(ptr):
+    """The lane's 4 B registers of a tile of the split h, stored in lane order (`_hb_index`): one 16-byte load
+    (through L1: every row tile's programs read the same h). Not pure: h is written by the launch before, so the
+    compiler must keep this load after the programmatic dependent launch's wait (a pure asm may be hoisted)."""
+    return tl.inline_asm_elementwise("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
+    """A one-warp program's place: (row-tile program, pair j, K part sk, row-tile programs, pair j's expert, the
+    K tiles of a row tile, those of one part)."""
+    ktt = K // 128
+    return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+            tl.load(e_ptr + tl.program_id(1)).to(tl.int64), ktt, ktt // SPLIT)
+
+
+@triton.jit
+def _mma_tile_load(wp, sp, n):
+    """The lane's 8 words and 2 scale bytes of tile n from its tile-0 addresses (wp: the lane's first word of a
+    tile stored as [2, 32 lanes, 4 words], so each 16-byte load of a warp reads 512 consecutive bytes; sp: its
+    scale pair, read as one 16-bit load)."""
+    w0, w1, w2, w3 = _ld16(wp + n * 256)
+    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128)
+    sv = tl.load((sp + n * 64).to(tl.pointer_type(tl.uint16), bitcast=True))
+    return w0, w1, w2, w3, w4, w5, w6, w7, sv & 0xFF, sv >> 8
+
+
+@triton.jit
+def _hb_index(ch):
+    """Where h's channel ch (hi part; lo: + 32) sits in hb: per 128-channel tile, in the order the down kernel's
+    lanes read their B registers (lane = 4 (2 gg + part) + t holds pairs 2t, 2t + 8, 2t + 16, 2t + 24 of group gg:
+    8 consecutive bf16, one 16-byte load)."""
+    kk = ch % 128
+    r = kk % 32
+    return (ch // 128) * 256 + (8 * (kk // 32) + (r % 8) // 2) * 8 + (r // 8) * 2 + r % 2
+
+
+@triton.jit
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
+                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
+    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
+    that token's x. The last K part of a tile to
+    arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
+    in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
+    may start once every program of this one has started (it waits for this launch's end before it reads h)."""
+    if PDL:
+        gdc_launch_dependents()
+    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
+    wg = w_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    xp = x_ptr + ((j // TOPK).to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
+    x0, x1, x2, x3 = _mma_x(xp, part)
+    gt = tl.zeros((32,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    for i in range(kt):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+        gt += top
+        gb += bot
+        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+        ut += top
+        ub += bot
+    pp = part_ptr + (j * SPLIT + sk) * 2 * I + c * 16 + g
+    tl.store(pp, _quad_sum(gt), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(gb), mask=t == 0)
+    tl.store(pp + I, _quad_sum(ut), mask=t == 0)
+    tl.store(pp + I + 8, _quad_sum(ub), mask=t == 0)
+    tl.debug_barrier()
+    lock_at = lock_ptr + j * n_ct + c
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+        q = tl.arange(0, SPLITP)[:, None]
+        ch = c * 16 + tl.arange(0, 16)[None, :]
+        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
+        ok = q < SPLIT
+        gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_LIMIT:
+            gs = tl.minimum(gs, limit)
+            us = tl.minimum(tl.maximum(us, -limit), limit)
+        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+        hi = h.to(tl.bfloat16)
+        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+        tl.store(at, hi)
+        tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
+        tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
+def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
+                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
+    rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
+    arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
+    TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90,
+    launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first step's
+    weights and the pairs' experts are read before the wait in the source, so they must have been written before
+    gate/up began (the host launches without PDL right after a repack); everything else is read and written after
+    it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc loads below the
+    wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
+    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_rt + r) * ktt + sk * kt
+    wp = w_ptr + (tile0 * 256 + lane * 4)
+    sp = s_ptr + (tile0 * 64 + lane * 2)
+    xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
+    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
+    if PDL:
+        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
+    x0, x1, x2, x3 = _mma_h(xp)
+    x4, x5, x6, x7 = _mma_h(xp + 256)
+    top = tl.zeros((32,), dtype=tl.float32)
+    bot = top
+    for i in range(0, kt, 2):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
+        y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+        n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
+        x0, x1, x2, x3 = _mma_h(xp + n * 256)
+        x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
+        p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
+        top += p
+        bot += q
+        p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
+        top += p
+        bot += q
+    pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
+    tl.store(pp, _quad_sum(top), mask=t == 0)
+    tl.store(pp + 8, _quad_sum(bot), mask=t == 0)
+    tl.debug_barrier()
+    rows = r * 16 + tl.arange(0, 16)
+    if SUM:
+        tok = j // TOPK
+        lock_at = lock_ptr + tok * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * SPLIT - 1:
+            slot = tl.arange(0, TOPKP)
+            jj = tok * TOPK + slot[:, None, None]
+            ss = tl.arange(0, SPLIT)[None, :, None]
+            ok = slot[:, None, None] < TOPK
+            parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
+            wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
+            tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+            out_at = tok.to(tl.int64) * D + rows
+            if HAS_ADD:
+                tot += tl.load(add_ptr + out_at).to(tl.float32)
+            tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(lock_at, 0)
+    else:
+        lock_at = lock_ptr + j * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            ss = tl.arange(0, SPLIT)[:, None]
+            parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
+            tl.store(out_ptr + j * D + rows, tot)
+            tl.atomic_xchg(lock_at, 0)
+
+
+# FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
+# own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
+# block); its word i is mma step i's A registers (bytes 0-1: A columns 2t, 2t + 1; bytes 2-3: 2t + 8, 2t + 9), and its
+# B registers are the same 4 x values of token g (B column g), so the mma's K order, free as long as A and B agree,
+# is the bytes' own. E4M3 -> bf16 x 2^-120 in 3 integer instructions a pair, x x 2^64 as in the MXFP4 kernels; the
+# accumulator's column n is token n: lane (g, t) ends with rows g, g + 8 of tokens 2t, 2t + 1. At one token the
+# stream is as fast (NOTES run 61) and fuses x's norm or SwiGLU, so it keeps M = 1. Limits as the MXFP4 kernels'.
+
+
+@triton.jit
+def _ld16x(ptr):
+    """16 bytes as 4 words, cached (x: every program of the launch reads it)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3_bf16x2(w):
+    """A word's 4 E4M3 bytes -> bf16 pairs (bytes 0, 1) and (2, 3) of value x 2^-120: each byte with its sign
+    replicated into the byte above (prmt), shifted left 4 and masked, puts s at bit 15 and eeee|mmm at 10..4."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; prmt.b32 a, $2, $2, 0x9180; prmt.b32 b, $2, $2, 0xB3A2; shl.b32 a, a, 4; "
+        "shl.b32 b, b, 4; and.b32 $0, a, 0x87F087F0; and.b32 $1, b, 0x87F087F0; }",
+        "=r,=r,r", [w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_mma_load(wp, wp8, k):
+    """The lane's 16 words of the step at column k: 32 bytes of row g (wp) and of row g + 8 (wp8), the pointers
+    already at the lane's 32 t bytes."""
+    return _ld16(wp + k) + _ld16(wp + k + 16) + _ld16(wp8 + k) + _ld16(wp8 + k + 16)
+
+
+@triton.jit
+def _fp8_mma_x(xp, keep):
+    """The lane's 16 B registers of a step: its token's 32 x values at xp times 2^64, zero where not keep."""
+    r = ()
+    for j in tl.static_range(4):
+        x0, x1, x2, x3 = _x_2_64(*_ld16x(xp + 8 * j))
+        z = tl.zeros_like(x0)
+        r = r + (tl.where(keep, x0, z), tl.where(keep, x1, z), tl.where(keep, x2, z), tl.where(keep, x3, z))
+    return r
+
+
+@triton.jit
+def _fp8_mma_store(y_ptr, at, stride_ym, m, M, v):
+    tl.store(y_ptr + m * stride_ym + at, v.to(y_ptr.dtype.element_ty), mask=m < M)
+
+
+@triton.jit
+def fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, R, K, stride_xm, stride_xg, stride_wn,
+                   stride_sn, stride_ym, stride_yg, stride_ps, K_CHUNK, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """M <= 8 tokens, one warp a program: (16-row tile c, K part sk, group grp) streams W's rows grp * R + 16 c ..
+    over [sk K_CHUNK, +K_CHUNK) in steps of 128 columns, the next step's loads issued before this one's mma.
+    y[m, grp, rows] in y's dtype; SPLIT > 1: the partials ([SPLIT, M, G, R] fp32 at part_ptr, y's strides after
+    the first) are added by the last to arrive."""
+    c = tl.program_id(0)
+    sk = tl.program_id(1)
+    grp = tl.program_id(2)
+    lane, g, t, _, _ = _lane_roles()
+    row0 = grp * R + c * 16
+    k_lo = sk * K_CHUNK
+    steps = (tl.minimum(K - k_lo, K_CHUNK)) // 128
+    wp = w_ptr + ((row0 + g).to(tl.int64) * stride_wn + k_lo + t * 32)
+    wp8 = wp + 8 * stride_wn
+    keep = g < M  # B column g is token g
+    xp = x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * stride_xm + grp * stride_xg + k_lo + t * 32)
+    sp = s_ptr + ((row0 // 128) * stride_sn + k_lo // 128)
+    nxt = _fp8_mma_load(wp, wp8, 0)
+    z = tl.zeros((32,), dtype=tl.float32)
+    top0, top1, bot0, bot1 = z, z, z, z
+    two56 = 72057594037927936.0  # undoes E4M3 x 2^-120 and x x 2^64 before the scale: no exponent wraps
+    for i in range(steps):
+        cur = nxt
+        nxt = _fp8_mma_load(wp, wp8, tl.minimum(i + 1, steps - 1) * 128)  # the last step reloads (unused)
+        xb = _fp8_mma_x(xp + i * 128, keep)
+        q0, q1, q2, q3 = z, z, z, z
+        for j in tl.static_range(8):
+            a0, a2 = _e4m3_bf16x2(cur[j])
+            a1, a3 = _e4m3_bf16x2(cur[8 + j])
+            q0, q1, q2, q3 = _mma_bf16(a0, a1, a2, a3, xb[2 * j], xb[2 * j + 1], q0, q1, q2, q3)
+        sc = _e8m0(tl.load(sp + i), 0)  # applied after two56 (folded first, scales from 2^72 up would overflow)
+        top0 += q0 * two56 * sc
+        top1 += q1 * two56 * sc
+        bot0 += q2 * two56 * sc
+        bot1 += q3 * two56 * sc
+    at = grp * stride_yg + c * 16 + g
+    dst = y_ptr if SPLIT == 1 else part_ptr + sk * stride_ps  # y, or this part's fp32 partials
+    _fp8_mma_store(dst, at, stride_ym, 2 * t, M, top0)
+    _fp8_mma_store(dst, at, stride_ym, 2 * t + 1, M, top1)
+    _fp8_mma_store(dst, at + 8, stride_ym, 2 * t, M, bot0)
+    _fp8_mma_store(dst, at + 8, stride_ym, 2 * t + 1, M, bot1)
+    if SPLIT > 1:
+        tl.debug_barrier()
+        lock_at = lock_ptr + c + tl.num_programs(0) * grp
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            # the last K part to arrive adds the partials by one fixed tree. Its tensors are made afresh (not from
+            # the lane-role ones, whose layout must stay one element a lane: a 2-D use would re-lay them)
+            q = tl.arange(0, SPLITP)[:, None, None]
+            m = tl.arange(0, 8)[None, :, None]
+            rows = grp * stride_yg + c * 16 + tl.arange(0, 16)[None, None, :]
+            ok = (q < SPLIT) & (m < M)
+            parts = tl.load(part_ptr + q * stride_ps + m * stride_ym + rows, mask=ok, other=0.0, cache_modifier=".cg")
+            m2 = tl.arange(0, 8)[:, None]
+            tl.store(y_ptr + m2 * stride_ym + grp * stride_yg + c * 16 + tl.arange(0, 16)[None, :],
+                     tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=m2 < M)
+            tl.atomic_xchg(lock_at, 0)

@@ -1,0 +1,36 @@
+"""pyproject.toml lists its packages by name (the engine's folder is mapped to `cdna2_engine`), so a new
+subpackage left out of that list would work in this editable checkout and be missing from a built wheel."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _packages_on_disk(folder: str, name: str) -> set[str]:
+    """Every folder holding an __init__.py under `folder`, as the dotted name `name` maps it to."""
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        if "__init__.py" in filenames:
+            rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
+            found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    return found
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setup = tomllib.load(f)["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    on_disk = set()
+    for name, folder in setup["package-dir"].items():
+        on_disk |= _packages_on_disk(folder, name)
+    assert "cdna2_engine.ops.triton.kernels" in on_disk  # the walk sees subpackages
+    assert on_disk - listed == set(), f"add to [tool.setuptools] packages in pyproject.toml: {sorted(on_disk - listed)}"
