@@ -36,7 +36,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_kernels as B  # noqa: E402
 
-from cdna2_engine.ops.triton import kernels as K_  # noqa: E402
+from cdna2_engine.ops.triton.kernels import moe as K_  # noqa: E402
 
 
 @triton.jit

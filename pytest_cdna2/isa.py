@@ -3,8 +3,8 @@
 For gfx90a (wave64) the amdgcn text carries `.vgpr_count`, `.agpr_count`, `.sgpr_count` and
 `.private_segment_fixed_size` (scratch bytes: 0 means nothing spilled to memory) and `metadata.shared` is
 the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E2M1/E4M3 through fp32
-(and fp16) subnormal bit patterns (engine/ops/triton/kernels/base.py), so `.amdhsa_float_denorm_mode_32` and
-`_16_64` must stay 3 (denormals kept on input and output).
+(and fp16) subnormal bit patterns (engine/ops/triton/kernels/base.py; the fp16 word decode in kernels/moe.py), so
+`.amdhsa_float_denorm_mode_32` and `_16_64` must stay 3 (denormals kept on input and output).
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
 

@@ -1,4 +1,4 @@
-"""The MXFP4 weight layout of the one-token tensor-core kernels (kernels/mma.py, `moe_mma_*`), made once per weight.
+"""The MXFP4 weight layout of the few-token tensor-core kernels (kernels/mma.py, `moe_mma_*`), made once per weight.
 
 mma.sync m16n8k16 hands each lane (g = lane // 4, t = lane % 4) of a warp the A elements (row g or g + 8,
 column 2t, 2t + 1, 2t + 8 or 2t + 9) of a 16 x 16 tile as four bf16 pairs. `mma_repack` stores the 8 codes a

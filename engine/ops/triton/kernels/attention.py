@@ -35,8 +35,9 @@ def attention_kernel(
     from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
     ROPE (the op's `rotary`, unsplit; attention_combine_kernel does it for SPLIT): the output is rounded, then
     un-rotated by cos/sin (float64 [B * S, HALF]) as rope(inverse) would do it in a launch of its own. (q's norm
-    and RoPE stay in norm_rope: done here by every split program, they cost each program what they saved the
-    chain, and under Triton 3.6 pushed this kernel to 256 VGPRs and scratch on gfx90a; NOTES run 100.)
+    and RoPE stay in the op norm_rope, rope_kernel's NORM: done here by every split program, they cost each program
+    what they saved the chain, and under Triton 3.6 pushed this kernel to 256 VGPRs and scratch on gfx90a; NOTES
+    run 100.)
     """
     if SPLIT:
         n_split = tl.cdiv(L, CHUNK)

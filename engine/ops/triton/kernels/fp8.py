@@ -1,4 +1,5 @@
-"""FP8 (E4M3 with UE8M0 128x128 block scales) linear: the tl.dot GEMM for prefill and the one-token weight stream."""
+"""FP8 (E4M3 with UE8M0 128x128 block scales) linear: the tl.dot GEMM for prefill (also the unquantized prefill
+path: SCALED=False, fp32 x in PARTS exact bf16 parts) and the one-token weight stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""mHC hyper-connections: the mix partial sums, the pre collapse with its Sinkhorn, and the post expansion."""
+"""mHC hyper-connections: the mix partial sums, the pre collapse with its Sinkhorn, and the post expansion (with the
+next pre's mix partials)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .base import _e8m0, gdc_launch_dependents, gdc_wait
 
-# MXFP4 at one token on the tensor cores (CUDA sm_80+, inline PTX mma.sync m16n8k16 bf16 -> fp32)
+# MXFP4 at a few tokens (up to 64) on the tensor cores (CUDA sm_80+, inline PTX mma.sync m16n8k16 bf16 -> fp32)
 #
 # The weights are repacked once (ops: `mma_repack`) so that each lane's two 16-byte loads of a [16 rows x 128 K]
 # tile hold exactly its A fragments for the tile's 8 mma steps, with each code's bits placed so that shifts and

@@ -24,7 +24,8 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_y,
 @triton.jit
 def _rotate(x0, x1, c, s):
     """One interleaved RoPE pair (x0, x1) rotated by the angle whose cos and sin are c and s (fp32): the one
-    formula of every RoPE here (rope_kernel's, the compressor's, and the attention kernels' on their output)."""
+    formula of every RoPE of the kernels package (rope_kernel's here, attention.py's compressor and attention kernels'
+    on their output)."""
     return x0 * c - x1 * s, x0 * s + x1 * c
 
 

@@ -1,4 +1,5 @@
-"""ISA compile specs: what pytest_cdna2/isa.py compiles ahead of time for gfx90a and sm_90, one entry per kernel."""
+"""ISA compile specs: what pytest_cdna2/isa.py compiles ahead of time, one entry per kernel variant at V4-Flash
+tiles: ISA_SPECS for gfx90a and sm_90, ISA_SPECS_SM90 for sm_90 only."""
 
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode, base.py),
-# the inline-PTX E2M1 decode (PRMT), the one-token tensor-core MXFP4 kernels (inline PTX mma.sync) and the prefill
+# the inline-PTX E2M1 decode (PRMT), the few-token tensor-core MXFP4 kernels (inline PTX mma.sync) and the prefill
 # MoE's swapped 128-row dots (MOE_DOT on CUDA; ROCm keeps MOE_DOT_ROCM's forms), and attention's CUDA tiles.
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,

@@ -1,5 +1,6 @@
-"""Top-k with the lower index winning ties: the indexer's selection and the router (sqrtsoftplus scores, bias,
-hash lookup)."""
+"""Top-k with the lower index winning ties: k passes for a small k, one in-register sort for the indexer's selection
+(and topk_mask), and the router (sqrt(softplus), sigmoid or softmax scores, bias; FIXED: given experts, hash
+routing)."""
 
 from __future__ import annotations
 
