@@ -59,6 +59,7 @@ def main() -> None:
                          "';' between)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     mods = {"current": (tri._compiled, [])}
     for variant in a.variant:
         mods[variant] = (tri._compiled, [i.strip() for i in variant.split(";") if i.strip()])

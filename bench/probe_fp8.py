@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="*", help="BLOCK_N,BLOCK_K,warps,PREFETCH,LOCAL[,UNROLL[,SPLIT]] each (default: "
                                                "TILES; SPLIT forces that K split, with no row narrowing)")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
     tri = B.tri
     copy = B.copy_tbps()

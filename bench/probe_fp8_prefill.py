@@ -27,6 +27,7 @@ def main() -> None:
                                                     "128,128,64,8,4", "128,64,128,4,3"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     saved = dict(B.tri.FP8_DOT)
     rows, results = [], {"checks": {}}
     for t in a.tokens:

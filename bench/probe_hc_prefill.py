@@ -29,6 +29,7 @@ def main() -> None:
                                                     "16,128,8,3"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     n, d = 4, 4096
     mix, g, saved = (2 + n) * n, B.GEN, dict(tri.HC_MIX_DOT)
     fn = torch.randn(mix, n * d, device=B.DEV, generator=g) * 0.01

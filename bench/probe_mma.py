@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--check-only", action="store_true")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     copy = B.copy_tbps()

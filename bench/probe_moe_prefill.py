@@ -34,6 +34,7 @@ def main() -> None:
                     help="BM (0: the engine's choice),BLOCK_N,GROUPS,num_warps,num_stages[,SWAP 0/1]")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     w1, w3, w2 = B.fp4_weight(E, I, D), B.fp4_weight(E, I, D), B.fp4_weight(E, D, I)
     expert_bytes = sum(w.data.numel() + w.scale.numel() for w in (w1, w3, w2)) // E
     copy_tbps = B.copy_tbps()

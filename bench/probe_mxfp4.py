@@ -553,6 +553,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="CPU interpreter smoke test (numbers mean nothing)")
     ap.add_argument("--what", default="reads,tiled", help="comma list of: reads, tiled, rows")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     what = a.what.split(",")
     dev = torch.device("cpu" if a.small else "cuda")
     gen = torch.Generator(dev).manual_seed(0)

@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--patch", nargs="*", default=[], help="tile_exact, rms_norm, swiglu: inside linear, one at a time")
     ap.add_argument("--bisect", nargs="*", default=[], help="ops to take from the reference, one at a time")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     dev = torch.device("cuda")
     cfg = S.Config(**S.FLASH)
     weights, _, _ = S.random_packed(cfg, dev)

@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="*", default=[256, 1024])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     cfg = Config(**FLASH)
     weights, _, _ = random_packed(cfg, torch.device("cuda"))
     model = Model(cfg, weights, device=torch.device("cuda"), dtype=torch.bfloat16, ops=get_ops("triton"))

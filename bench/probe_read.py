@@ -110,6 +110,7 @@ def main() -> None:
                                     "step, 16-128 bytes a thread a step, 1-8 warps (instead of TILES)")
     ap.add_argument("--tma", help="comma-separated sizes in MB: the TMA tiles beside the LDG ones (sm_90)")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     if a.tma:
         rows = tma_tiles(B.copy_tbps(), [float(v) for v in a.tma.split(",")])
         with open(os.path.join(a.out, "probe_read_tma.json"), "w") as f:
