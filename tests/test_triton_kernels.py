@@ -414,18 +414,26 @@ def test_index_scores(dtype, b, s, h, t):
 
 def test_backend_table_and_no_leak():
     """get_ops('triton') takes every op by name from the triton module, and interpreting leaves neither
-    TRITON_INTERPRET nor a patched JITFunction behind."""
+    TRITON_INTERPRET nor a patched JITFunction, InterpretedFunction or language attribute behind (the launch
+    patches the language once, _lang_patched)."""
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    before = (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__, tl.core.arange, tl.arange, tl.core.add)
+    def state():
+        return (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__, InterpretedFunction.__call__,
+                tl.core.arange, tl.arange, tl.core.add, tl.range, getattr(tl.core.tensor, "__index__", None),
+                tl.tensor.__add__)
+
+    before = state()
     ops = get_ops("triton")
     from cdna2_engine.ops import OP_NAMES
 
     for name in OP_NAMES:
         assert getattr(ops, name) is getattr(tri, name), f"{name} is not the triton backend's"
     tri.rms_norm(torch.randn(2, 5), None, 1e-6)  # tl.sum inside: a triton.language @jit helper
-    assert (os.environ.get("TRITON_INTERPRET"), JITFunction.__call__, tl.core.arange, tl.arange, tl.core.add) == before
+    tri.linear(torch.randn(1, 256), fp8_weight(128, 256, gen(0)))  # the package's helpers (_e8m0, _split_sum)
+    assert state() == before
     assert isinstance(tri.kernels.rms_norm_kernel, JITFunction)  # the compiled copy stays compiled
 
 
