@@ -233,41 +233,17 @@ def test_fp8_dot_block_k_must_divide_the_scale_block(monkeypatch):
 
 def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
     """Up to MOE_PAIRS_MAX_T tokens (the stream's bound here: no tensor cores on the CPU) each (token, slot) pair is
-    a block of its own: one token's in slot order, from MOE_PAIRS_BY_EXPERT tokens on ordered by expert (stable:
-    an expert's pairs in token order), so an expert's repeats run back to back; beyond, the pairs are grouped by
-    expert into dot blocks."""
+    a block of its own, token-major; beyond, the pairs are grouped by expert into dot blocks."""
     monkeypatch.setitem(tri.MOE_PAIRS_MAX_T, "stream", 4)
     idx = torch.tensor([[3, 1], [1, 0], [2, 3], [0, 2], [1, 2]])
     x = torch.zeros(5, 8)
-    bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:1], idx[:1], 4)
-    assert (bm, k) == (1, 2) and tok.tolist() == [0, 0] and pid.tolist() == [0, 1] and blk_e.tolist() == [3, 1]
     bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:4], idx[:4], 4)
-    assert (bm, k) == (1, 2) and pid.tolist() == [3, 6, 1, 2, 4, 7, 0, 5] and tok.tolist() == [1, 3, 0, 1, 2, 3, 0, 2]
-    assert blk_e.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and lo.tolist() == list(range(8))
-    assert (hi - lo).tolist() == [1] * 8
-    monkeypatch.setattr(tri, "MOE_PAIRS_BY_EXPERT", 5)  # token-major below it
-    bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:4], idx[:4], 4)
-    assert tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
+    assert (bm, k) == (1, 2) and tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
     assert blk_e.tolist() == idx[:4].reshape(-1).tolist() and (hi - lo).tolist() == [1] * 8
     assert tri.moe_prepare(x, idx, 4)[0] == 16
     for t, bm in ((32, 16), (33, 32), (64, 32), (65, 64), (128, 64), (129, 128), (400, 128)):  # 4 experts, 2 a
         # token: the block holds an expert's mean share of pairs (t / 2), up to 128 rows
         assert tri.moe_prepare(torch.zeros(t, 8), torch.zeros(t, 2, dtype=torch.int64), 4)[0] == bm
-
-
-def test_moe_pair_order_leaves_the_bits(monkeypatch):
-    """Pairs ordered by expert or token-major: every pair's rows are computed alone and each token's k rows summed
-    in slot order either way, so the output bits are the same (fp32, the stream in the interpreter)."""
-    g = gen(8)
-    e, d, inter, t, k = 4, 64, 96, 3, 3
-    w1, w3, w2 = fp4_weight(e, inter, d, g), fp4_weight(e, inter, d, g), fp4_weight(e, d, inter, g)
-    x = torch.randn(t, d, generator=g) * 0.2
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    wt = torch.rand(t, k, generator=g)
-    by_expert = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0)
-    assert tri.moe_prepare(x, idx, e)[2].tolist() != list(range(t * k))  # the order differs
-    monkeypatch.setattr(tri, "MOE_PAIRS_BY_EXPERT", t + 1)
-    assert torch.equal(tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0), by_expert)
 
 
 def test_moe_blocks_cover_every_pair_once():

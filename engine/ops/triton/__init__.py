@@ -251,9 +251,6 @@ MOE_STREAM_DOWN = {"BLOCK_N": 64, "GROUPS": 8, "num_warps": 8}  # the down strea
 # MOE_MMA's tensor-core kernels 3.3x / 2.5x / 1.5x faster at 4 / 16 / 64 tokens (the counters, LOCKS, are sized for
 # 64); the stream (gfx90a, fp32/fp16 activations, the CPU interpreter) 1.9x / 1.6x faster at 4 / 16, level at 64.
 MOE_PAIRS_MAX_T = {"mma": 64, "stream": 16}
-# From this many tokens the pairs are ordered by expert (moe_prepare): with 256 experts and 6 a token, 64 tokens
-# select ~199 distinct experts in 384 pairs, and token-major pairs read each repeat from DRAM again.
-MOE_PAIRS_BY_EXPERT = 2
 ATTN_CHUNK = 0  # keys per split in decode attention (0: split only when too few programs, into enough splits)
 # Attention reads only a query's visible keys (attention_kernel, GATHER), compacting its mask row ATTN_SCAN
 # entries at a time (a power of two). A decode split does so from ATTN_GATHER_KEYS keys on and reads every key below
@@ -500,14 +497,10 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
     t, topk = idx.shape
     if t <= MOE_PAIRS_MAX_T["mma" if _mma_device(x) else "stream"] and MOE_STREAM["on"]:
-        # a few tokens: block q is one pair, from MOE_PAIRS_BY_EXPERT tokens on ordered by expert (a stable sort: an
-        # expert's pairs run back to back, so its weights are read from DRAM about once), token-major below
+        # a few tokens: block j is pair j, token-major (no sort; an expert twice is read twice); the kernels read
+        # the expert ids as they are
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
-        flat = idx.reshape(-1)
-        if t < MOE_PAIRS_BY_EXPERT:
-            return (1, tok, pairs, flat, pairs, ends, topk)
-        order = torch.sort(flat, stable=True).indices
-        return (1, (order // topk).to(torch.int32), order.to(torch.int32), flat[order], pairs, ends, topk)
+        return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
     per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs
     cap = _moe_dot_tile(x.device, down=False).get("BLOCK_M_MAX", 64)  # (1024 tokens x 6 of 256: 32; NOTES 144, 153)
     if cap not in (16, 32, 64, 128):
@@ -614,7 +607,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
-    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3], plan[2], part,
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3], part,
                _locks(x.device, p * inter // 16), hb, inter, d, plan[-1], float(limit or 0.0),
                HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device),
                num_warps=1)
@@ -629,7 +622,7 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     fused = out is not None
     c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
     part = _empty(p * split, d, dtype=torch.float32, device=hb.device)
-    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3], plan[2],
+    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
                 weights.contiguous().reshape(-1), part, _locks(hb.device, (p // k if fused else p) * d // 16), c,
                 c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
                 HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)

@@ -126,12 +126,11 @@ def _mma_h(ptr):
 
 
 @triton.jit
-def _mma_program(e_ptr, pair_ptr, K, SPLIT: tl.constexpr):
+def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
     """A one-warp program's place: (row-tile program, pair j, K part sk, row-tile programs, pair j's expert, the
-    K tiles of a row tile, those of one part). Program row q takes pair pair_ptr[q], of expert e_ptr[q]: the host
-    orders pairs by expert, so an expert's pairs run back to back and its second read comes from the L2."""
+    K tiles of a row tile, those of one part)."""
     ktt = K // 128
-    return (tl.program_id(0), tl.load(pair_ptr + tl.program_id(1)), tl.program_id(2), tl.num_programs(0),
+    return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
             tl.load(e_ptr + tl.program_id(1)).to(tl.int64), ktt, ktt // SPLIT)
 
 
@@ -157,18 +156,18 @@ def _hb_index(ch):
 
 
 @triton.jit
-def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, pair_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk; program
-    row q takes pair j = pair_ptr[q], `_mma_program`) streams the gate and the up row tiles of j's expert
-    (repacked, interleaved per 16 rows) over D / SPLIT against that token's x. The last K part of a tile to arrive
-    adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
+    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
+    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
+    that token's x. The last K part of a tile to
+    arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
     in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
     may start once every program of this one has started (it waits for this launch's end before it reads h)."""
     if PDL:
         gdc_launch_dependents()
-    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, pair_ptr, D, SPLIT)
+    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
     wg = w_ptr + (tile0 * 256 + lane * 4)
@@ -225,19 +224,19 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, pair_ptr, part_ptr, lock_
 
 
 @triton.jit
-def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, pair_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I,
-                        TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
+def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
+                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
                         PDL: tl.constexpr = False):
-    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams j's expert's down
+    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
     arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
     TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90,
     launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first step's
-    weights and the pair tables (ids, experts) are read before the wait in the source, so they must have been
-    written before gate/up began (the host launches without PDL right after a repack); everything else is read and
-    written after it. (In the sm_90 SASS only the scales and pair tables load before it: ptxas sinks the words'
-    .nc loads below the wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
-    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, pair_ptr, I, SPLIT)
+    weights and the pairs' experts are read before the wait in the source, so they must have been written before
+    gate/up began (the host launches without PDL right after a repack); everything else is read and written after
+    it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc loads below the
+    wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
+    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
     lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
     wp = w_ptr + (tile0 * 256 + lane * 4)
