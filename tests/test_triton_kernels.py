@@ -412,10 +412,10 @@ def test_index_scores(dtype, b, s, h, t):
         assert torch.equal(hid.isneginf(), ~shown) and torch.equal(hid[shown], got[shown])
 
 
-def test_backend_table_and_no_leak():
+def test_backend_table_and_no_leak(monkeypatch):
     """get_ops('triton') takes every op by name from the triton module, and interpreting leaves neither
     TRITON_INTERPRET nor a patched JITFunction, InterpretedFunction or language attribute behind (the launch
-    patches the language once, _lang_patched)."""
+    patches the language once, `_interpreting`), also when a launch fails midway."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -433,6 +433,14 @@ def test_backend_table_and_no_leak():
         assert getattr(ops, name) is getattr(tri, name), f"{name} is not the triton backend's"
     tri.rms_norm(torch.randn(2, 5), None, 1e-6)  # tl.sum inside: a triton.language @jit helper
     tri.linear(torch.randn(1, 256), fp8_weight(128, 256, gen(0)))  # the package's helpers (_e8m0, _split_sum)
+    assert state() == before
+
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("helper failed")
+
+    monkeypatch.setattr(tri, "_helper_call_interpreted", fails)
+    with pytest.raises(Exception, match="helper failed"):
+        tri.linear(torch.randn(1, 256), fp8_weight(128, 256, gen(0)))
     assert state() == before
     assert isinstance(tri.kernels.rms_norm_kernel, JITFunction)  # the compiled copy stays compiled
 

@@ -36,9 +36,8 @@ _AS_INTERPRETED: dict[int, object] = {}
 
 
 def _jit_call_interpreted(self, *args, **kwargs):
-    """JITFunction.__call__ while interpreting: triton.language's own @jit helpers (tl.sum, tl.zeros, ...)
-    were decorated when triton was imported, normally without TRITON_INTERPRET; run them interpreted, under
-    the launch's language patches (_lang_patched)."""
+    """JITFunction.__call__ inside `_interpreting`: triton.language's own @jit helpers (tl.sum, tl.zeros, ...)
+    were decorated when triton was imported, normally without TRITON_INTERPRET; run them interpreted."""
     from triton.runtime.interpreter import InterpretedFunction
 
     fn = _AS_INTERPRETED.get(id(self))
@@ -48,43 +47,42 @@ def _jit_call_interpreted(self, *args, **kwargs):
 
 
 def _helper_call_interpreted(self, *args, **kwargs):
-    """InterpretedFunction.__call__ (the package's own @jit helpers) without Triton's re-patching of the
-    language at every call: _lang_patched made those patches once for the launch."""
+    """InterpretedFunction.__call__ (the package's own @jit helpers) inside `_interpreting`, without Triton's
+    re-patching of the language at every call. (Triton's also wraps a helper's error in InterpreterError; the
+    launch still wraps it once.)"""
     return self.rewrite()(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _lang_patched():
-    """The interpreter's patches of triton.language and triton.language.core, made once for a whole launch
-    and undone after it, so later compiles in this process (the ISA tier) see the real language. Triton makes
-    them at every nested @jit call (tl.sum, tl.max, the package's helpers) and leaves them in place: that
-    took a third of a CPU model run (inspect.getmembers over both modules, 250K times in a 40-token prefill)."""
+def _interpreting():
+    """One interpreted launch's setting, undone after it, so later compiles in this process (the ISA tier) see the
+    real language: the interpreter's patches of triton.language and triton.language.core made once, and nested
+    @jit calls run interpreted under them. Triton makes those patches at every call of an interpreted helper,
+    and _jit_call_interpreted made and undid them at every call of triton.language's helpers: 250K calls of
+    _patch_builtin (inspect.getmembers over a module) in a 40-token prefill, 44% of its time (bench/NOTES.md
+    entry 194)."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+    from triton.runtime.jit import JITFunction
 
-    old_call = InterpretedFunction.__call__
+    old = JITFunction.__call__, InterpretedFunction.__call__
     scope = _patch_lang(SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
-    InterpretedFunction.__call__ = _helper_call_interpreted
+    JITFunction.__call__, InterpretedFunction.__call__ = _jit_call_interpreted, _helper_call_interpreted
     try:
         yield
     finally:
-        InterpretedFunction.__call__ = old_call
+        JITFunction.__call__, InterpretedFunction.__call__ = old
         scope.restore()
 
 
 @contextlib.contextmanager
 def _interpret_env():
-    """TRITON_INTERPRET=1 (read by @triton.jit at decoration time); compiled helpers called interpreted."""
-    from triton.runtime.jit import JITFunction
-
+    """TRITON_INTERPRET=1 (read by @triton.jit at decoration time, and by the interpreter)."""
     old = os.environ.get("TRITON_INTERPRET")
-    old_call = JITFunction.__call__
     os.environ["TRITON_INTERPRET"] = "1"
-    JITFunction.__call__ = _jit_call_interpreted
     try:
         yield
     finally:
-        JITFunction.__call__ = old_call
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
@@ -142,7 +140,7 @@ class _Launch:
         fn = getattr(self.mod, name)
         kwargs = {**COMPILE_OPTIONS, **kwargs}
         if self.cpu:
-            with _interpret_env(), _lang_patched():
+            with _interpret_env(), _interpreting():
                 fn[grid](*args, **kwargs)
         else:
             fn[grid](*args, **kwargs)
