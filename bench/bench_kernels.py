@@ -57,7 +57,8 @@ if SMALL:
     HID, INTER, N_EXP, TOPK = 256, 128, 8, 2
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
-MOE_TOKENS = (1, 4) if SMALL else (1, 4, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64)
+MOE_TOKENS = (1, 4) if SMALL else (1, 4, 8, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64; 8:
+# MOE_MMA's TWO_MIN_T)
 HEAD_ROWS = (5,) if SMALL else (2, 4, 8, 16)  # the head at a batched step's rows: tensor cores, stream, reference
 FP8_ROWS = (2,) if SMALL else (2, 4, 8, 16)  # wq_b at a batched decode step's rows, stream and tensor-core forms
 
@@ -219,7 +220,8 @@ def correctness(results: dict, streams_only: bool = False) -> None:
                ("stream prmt", dict(PREFETCH=False, PRMT=True), off),
                ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
                ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
-               ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4))]
+               ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4)),
+               ("mma one pair a row", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2, TWO_MIN_T=1 << 30))]
         dots = [("dot", {}, off), ("dot noswap", {}, off)]  # the grouped tl.dot blocks, MOE_DOT's SWAP on and off
         for variant, stream, mma in (one if t <= min(tri.MOE_PAIRS_MAX_T.values()) else []) + dots:
             tri.MOE_STREAM.update(saved_st, on=not variant.startswith("dot"), **stream)
@@ -276,7 +278,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         tri.MOE_MMA["on"] = bool(cfg.get("MMA"))
         if cfg.get("MMA"):  # the per-pair tensor-core kernels (their plan is the stream's: one block a pair)
             tri.MOE_STREAM["on"] = True
-            tri.MOE_MMA.update({k: v for k, v in cfg.items() if k != "MMA"})
+            tri.MOE_MMA.update(saved["MOE_MMA"], **{k: v for k, v in cfg.items() if k != "MMA"})
             return
         tri.MOE_STREAM["on"] = bool(cfg.get("STREAM"))
         if cfg.get("STREAM"):  # the per-pair dot-free stream
@@ -288,6 +290,8 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         tri.MOE_DOT_DOWN.clear()  # the swept tile for down too
 
     configs = [cfg_of()]
+    if configs[0].get("MMA"):  # the tensor-core kernels with one pair a program row, beside two (TWO_MIN_T)
+        configs.append({**configs[0], "TWO_MIN_T": 1 << 30})
     if sweep:
         # the tensor-core form (tokens gathered into 16-row blocks): the tiles of runs 4-6
         configs += [{"DOT": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
@@ -318,10 +322,14 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         best = None
         timed = []
         for cfg in configs:
+            if cfg.get("TWO_MIN_T", 0) > 64 and t < configs[0].get("TWO_MIN_T", 0):
+                continue  # below TWO_MIN_T the default is one pair a row too: timed once
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
 
             def run(x, idx, wt, plan, _n):
+                if plan[-2] is not None:  # the pair-rows table is the routing's: timed with the launches
+                    plan = (*plan[:-2], tri._pair_rows(idx), plan[-1])
                 tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
 
             try:

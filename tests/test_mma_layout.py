@@ -145,6 +145,30 @@ def test_repacked_weights_follow_their_tensors():
     assert all(entry[0][1]() is not None for entry in tri._MMA_PACKED.values())  # no entry outlives a tensor
 
 
+@pytest.mark.parametrize("t,k,e", [(8, 6, 3), (13, 2, 5), (64, 6, 256), (64, 6, 16)])
+def test_pair_rows_put_two_pairs_of_one_expert_in_a_row(t, k, e):
+    """The tensor-core kernels' program rows (`moe_pair_rows_kernel`, in the interpreter): every pair once; a row's
+    two pairs share their expert, in pair order; an expert of n pairs takes ceil(n / 2) rows, so only its last can
+    hold one; empty rows are wholly empty."""
+    g = torch.Generator().manual_seed(t * 100 + e)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] if k <= e else torch.randint(0, e, (k,), generator=g)
+                       for _ in range(t)])
+    rows = tri._pair_rows(idx)
+    flat = idx.reshape(-1)
+    assert rows.shape == (t * k, 2) and rows.dtype == torch.int32
+    used = rows[rows >= 0]
+    assert torch.equal(used.sort().values, torch.arange(t * k, dtype=torch.int32))  # every pair exactly once
+    assert ((rows == -1) | (rows >= 0)).all()
+    full = rows[:, 1] >= 0
+    assert (rows[full, 0] >= 0).all() and (rows[full, 0] < rows[full, 1]).all()
+    assert torch.equal(flat[rows[full, 0].long()], flat[rows[full, 1].long()])
+    live = rows[:, 0] >= 0
+    counts = torch.bincount(flat, minlength=e)
+    assert live.sum().item() == ((counts + 1) // 2).sum().item()
+    single = live & ~full
+    assert torch.equal(torch.bincount(flat[rows[single, 0].long()], minlength=e), counts % 2)
+
+
 def test_tensor_core_path_is_off_on_the_cpu():
     assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048, 6)
 
@@ -223,7 +247,42 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
     assert torch.equal(run(True), changed)
 
 
-@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down"])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
+@pytest.mark.parametrize("t,e,with_shared", [(8, 16, True), (16, 256, False), (64, 16, True), (64, 256, True)])
+def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
+    """Two pairs of one expert a program row (MOE_MMA TWO_MIN_T; at 16 experts most rows are full, at 256 a few)
+    give the bits of one pair a row: each mma column and each partial sum is the same arithmetic. And both are
+    within the bf16 bound of the reference."""
+    monkeypatch.setattr(tri, "POISON", True)
+    dev = torch.device("cuda")
+    if not tri._mma_on(torch.zeros(t, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
+        pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
+    g = torch.Generator(dev).manual_seed(13 + t + e)
+    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, 6, scale_200=True, t=t)
+    shared = (torch.randn(t, 4096, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
+
+    def run(two_min_t: int) -> torch.Tensor:
+        monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", two_min_t)
+        assert (tri.moe_prepare(x, idx, e)[-2] is not None) == (t >= two_min_t)
+        return tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
+
+    two, one = run(8), run(1 << 30)
+    assert torch.equal(two, one)
+    assert torch.equal(run(8), two), "not bit-reproducible"
+    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 8)
+    plan = tri.moe_prepare(x, idx, e)
+    hb = tri.moe_gate_up(x, w1, w3, plan, 7.0)
+    unsummed = tri.moe_down(hb, w2, wt, plan)  # per pair, weighted (down's other epilogue)
+    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 1 << 30)
+    plan1 = tri.moe_prepare(x, idx, e)
+    assert torch.equal(hb, tri.moe_gate_up(x, w1, w3, plan1, 7.0))
+    assert torch.equal(unsummed, tri.moe_down(hb, w2, wt, plan1))
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, None if shared is None else shared.double())
+    assert ((two.double() - want).norm() / want.norm()).item() <= 5e-3  # as test_moe_experts_tensor_core_gpu
+    assert not tri._locks(dev, 0).any()
+
+
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

@@ -237,8 +237,8 @@ def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
     monkeypatch.setitem(tri.MOE_PAIRS_MAX_T, "stream", 4)
     idx = torch.tensor([[3, 1], [1, 0], [2, 3], [0, 2], [1, 2]])
     x = torch.zeros(5, 8)
-    bm, tok, pid, blk_e, lo, hi, k = tri.moe_prepare(x[:4], idx[:4], 4)
-    assert (bm, k) == (1, 2) and tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
+    bm, tok, pid, blk_e, lo, hi, rows, k = tri.moe_prepare(x[:4], idx[:4], 4)
+    assert (bm, k, rows) == (1, 2, None) and tok.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and pid.tolist() == list(range(8))
     assert blk_e.tolist() == idx[:4].reshape(-1).tolist() and (hi - lo).tolist() == [1] * 8
     assert tri.moe_prepare(x, idx, 4)[0] == 16
     for t, bm in ((32, 16), (33, 32), (64, 32), (65, 64), (128, 64), (129, 128), (400, 128)):  # 4 experts, 2 a

@@ -491,20 +491,32 @@ def _pair_tables(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, to
     return ids // k, ids, ids + 1
 
 
+def _pair_rows(idx: torch.Tensor) -> torch.Tensor:
+    """[P, 2] int32: the pairs (flat token x k + slot) two to a row by expert (kernels/moe.py
+    `moe_pair_rows_kernel`), -1 where none."""
+    p = idx.numel()
+    rows = _empty(p, 2, dtype=torch.int32, device=idx.device)
+    _Launch(idx)("moe_pair_rows_kernel", (1,), idx.reshape(-1), rows, p, PP=_pow2(p, 16), CHUNK=32, num_warps=4)
+    return rows
+
+
 def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
-    """Block tables for one routing (the part of moe_experts that is not a weight stream)."""
+    """Block tables for one routing (the part of moe_experts that is not a weight stream): (block rows bm, and
+    per block or pair the tables of `moe_blocks`, the tensor-core kernels' pair rows or None, k)."""
     t, topk = idx.shape
-    if t <= MOE_PAIRS_MAX_T["mma" if _mma_device(x) else "stream"] and MOE_STREAM["on"]:
-        # a few tokens: block j is pair j, token-major (no sort; an expert twice is read twice); the kernels read
-        # the expert ids as they are
+    mma = _mma_device(x)
+    if t <= MOE_PAIRS_MAX_T["mma" if mma else "stream"] and MOE_STREAM["on"]:
+        # a few tokens: block j is pair j, token-major (no sort; the kernels read the expert ids as they are); on
+        # the tensor-core path from MOE_MMA["TWO_MIN_T"] tokens, a table of program rows of two pairs of one expert
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
-        return (1, tok, pairs, idx.reshape(-1), pairs, ends, topk)
+        rows = _pair_rows(idx) if mma and t >= MOE_MMA["TWO_MIN_T"] else None
+        return (1, tok, pairs, idx.reshape(-1), pairs, ends, rows, topk)
     per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs
     cap = _moe_dot_tile(x.device, down=False).get("BLOCK_M_MAX", 64)  # (1024 tokens x 6 of 256: 32; NOTES 144, 153)
     if cap not in (16, 32, 64, 128):
         raise ValueError(f"MOE_DOT BLOCK_M_MAX={cap}: expected 16, 32, 64 or 128 (moe_prepare's row blocks)")
     bm = next(b for b in (16, 32, 64, 128) if per_expert <= b or b >= cap)
-    return (bm, *moe_blocks(idx, n_experts, bm), topk)
+    return (bm, *moe_blocks(idx, n_experts, bm), None, topk)
 
 
 def _moe_dot_tile(device: torch.device, down: bool) -> dict:
@@ -537,7 +549,9 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
 # PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its launch and first loads overlap gate/up's
 # end (NOTES runs 63, 118).
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True}
+# TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
+# decode of an expert's tile serves two tokens (NOTES run 195).
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 8}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -605,10 +619,11 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
-    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3], part,
-               _locks(x.device, p * inter // 16), hb, inter, d, plan[-1], float(limit or 0.0),
-               HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device),
-               num_warps=1)
+    rows = plan[-2]
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3],
+               plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb, inter, d, plan[-1],
+               float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1),
+               TWO=rows is not None, PDL=_mma_pdl(x.device), num_warps=1)
     return hb
 
 
@@ -620,17 +635,19 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     fused = out is not None
     c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
     part = _empty(p * split, d, dtype=torch.float32, device=hb.device)
+    rows = plan[-2]
     _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
-                weights.contiguous().reshape(-1), part, _locks(hb.device, (p // k if fused else p) * d // 16), c,
-                c if add is None else add.contiguous(), d, inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused,
-                HAS_ADD=add is not None, PDL=pdl, launch_pdl=pdl, num_warps=1)
+                plan[3] if rows is None else rows, weights.contiguous().reshape(-1), part,
+                _locks(hb.device, (p // k if fused else p) * d // 16), c, c if add is None else add.contiguous(), d,
+                inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused, HAS_ADD=add is not None, TWO=rows is not None,
+                PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
     tensor-core path (MOE_MMA) h is that kernel's [T*k, I / 128, 256] bf16 split form, which moe_down takes."""
-    bm, pair_tok, _, blk_e, blk_lo, blk_hi, _ = plan
+    bm, pair_tok, _, blk_e, blk_lo, blk_hi, _, _ = plan
     if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
         return _mma_gate_up(x, w1, w3, plan, limit)
     inter, d = w1.data.shape[1], x.shape[1]
@@ -654,7 +671,7 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     path h enters the dot in `dtype` (the activations' dtype). With `out` (one token on the stream path, any tokens
     on the tensor-core path) each token's k rows are summed in order (plus `add`) into out in the same launch, and
     out is returned."""
-    bm, _, pair_id, blk_e, blk_lo, blk_hi, _ = plan
+    bm, _, pair_id, blk_e, blk_lo, blk_hi, _, _ = plan
     if h.dim() == 3:  # the tensor-core gate/up's split h
         return _mma_down(h, w2, weights, plan, out, add)
     d, inter = w2.data.shape[1], h.shape[1]

@@ -76,10 +76,10 @@ def _mma_step(w, b0, b1, act, c0, c1, c2, c3):
 
 
 @triton.jit
-def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
+def _mma_acc(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg):
     """One [16 rows x 128 K] tile: 8 mma steps; the lane's B registers (xb*) are live in steps 2 gg, 2 gg + 1
-    (its column's group). Returns the tile's contribution to rows g and g + 8, group scales applied."""
-    c0 = tl.zeros_like(s0).to(tl.float32)
+    (its column's group). Returns the accumulator: rows g (c0, c1) and g + 8 (c2, c3) of columns 2t, 2t + 1."""
+    c0 = tl.zeros_like(gg).to(tl.float32)
     c1 = c0
     c2 = c0
     c3 = c0
@@ -91,8 +91,58 @@ def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
     c0, c1, c2, c3 = _mma_step(w5, xb2, xb3, gg == 2, c0, c1, c2, c3)
     c0, c1, c2, c3 = _mma_step(w6, xb0, xb1, gg == 3, c0, c1, c2, c3)
     c0, c1, c2, c3 = _mma_step(w7, xb2, xb3, gg == 3, c0, c1, c2, c3)
-    two62 = 4611686018427387904.0  # undoes E2M1 x 2^-126 and x x 2^64 before the scale: no exponent wraps
-    return (c0 + c1) * two62 * _e8m0(s0, 0), (c2 + c3) * two62 * _e8m0(s1, 0)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mma_apply(ca, cb, s):
+    """Columns 2t and 2t + 1 of one accumulator row added, times 2^62 (undoes E2M1 x 2^-126 and x x 2^64; applied
+    before the scale, so scales from 2^66 up do not overflow) and the row's group scale."""
+    two62 = 4611686018427387904.0
+    return (ca + cb) * two62 * _e8m0(s, 0)
+
+
+@triton.jit
+def _mma_tile_cols(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
+    """One tile against a B whose column 2q holds one pair's x and 2q + 1 another's (both bf16, so no lo parts):
+    (top, bottom) of the first pair, then of the second."""
+    c0, c1, c2, c3 = _mma_acc(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg)
+    z = tl.zeros_like(c0)
+    return _mma_apply(c0, z, s0), _mma_apply(c2, z, s1), _mma_apply(c1, z, s0), _mma_apply(c3, z, s1)
+
+
+@triton.jit
+def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
+    """One tile's contribution to rows g and g + 8, group scales applied (column 2t + 1 is x's lo part)."""
+    c0, c1, c2, c3 = _mma_acc(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg)
+    return _mma_apply(c0, c1, s0), _mma_apply(c2, c3, s1)
+
+
+@triton.jit
+def _mma_step2(w, b0, b1, d0, d1, act, c0, c1, c2, c3, e0, e1, e2, e3):
+    """One decoded A, two mma: against B registers b (accumulator c) and d (accumulator e)."""
+    a0, a1, a2, a3 = _a_regs(w)
+    z = tl.zeros_like(b0)
+    c0, c1, c2, c3 = _mma_bf16(a0, a1, a2, a3, tl.where(act, b0, z), tl.where(act, b1, z), c0, c1, c2, c3)
+    e0, e1, e2, e3 = _mma_bf16(a0, a1, a2, a3, tl.where(act, d0, z), tl.where(act, d1, z), e0, e1, e2, e3)
+    return c0, c1, c2, c3, e0, e1, e2, e3
+
+
+@triton.jit
+def _mma_tile2(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, yb0, yb1, yb2, yb3, gg, s0, s1):
+    """`_mma_tile` for two B operands (two pairs of one expert) from one decode of the tile: (top, bottom) of
+    each."""
+    c0 = tl.zeros_like(gg).to(tl.float32)
+    c1, c2, c3, e0, e1, e2, e3 = c0, c0, c0, c0, c0, c0, c0
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w0, xb0, xb1, yb0, yb1, gg == 0, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w1, xb2, xb3, yb2, yb3, gg == 0, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w2, xb0, xb1, yb0, yb1, gg == 1, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w3, xb2, xb3, yb2, yb3, gg == 1, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w4, xb0, xb1, yb0, yb1, gg == 2, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w5, xb2, xb3, yb2, yb3, gg == 2, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w6, xb0, xb1, yb0, yb1, gg == 3, c0, c1, c2, c3, e0, e1, e2, e3)
+    c0, c1, c2, c3, e0, e1, e2, e3 = _mma_step2(w7, xb2, xb3, yb2, yb3, gg == 3, c0, c1, c2, c3, e0, e1, e2, e3)
+    return _mma_apply(c0, c1, s0), _mma_apply(c2, c3, s1), _mma_apply(e0, e1, s0), _mma_apply(e2, e3, s1)
 
 
 @triton.jit
@@ -106,14 +156,16 @@ def _x_2_64(v0, v1, v2, v3):
 
 
 @triton.jit
-def _mma_x(x_ptr, part):
-    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; lanes of the lo
-    part get zero)."""
+def _mma_x(x_ptr, part, LO_ZERO: tl.constexpr = True):
+    """The lane's 4 B registers of a tile from its first x pair: bf16 x times 2^64 (hi part; LO_ZERO: lanes of the
+    lo part get zero, else they hold a second pair's x, their own x_ptr)."""
     p = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     v0, v1, v2, v3 = _x_2_64(tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12))
-    z = tl.zeros_like(v0)
-    hi = part == 0
-    return tl.where(hi, v0, z), tl.where(hi, v1, z), tl.where(hi, v2, z), tl.where(hi, v3, z)
+    if LO_ZERO:
+        z = tl.zeros_like(v0)
+        hi = part == 0
+        v0, v1, v2, v3 = tl.where(hi, v0, z), tl.where(hi, v1, z), tl.where(hi, v2, z), tl.where(hi, v3, z)
+    return v0, v1, v2, v3
 
 
 @triton.jit
@@ -126,12 +178,18 @@ def _mma_h(ptr):
 
 
 @triton.jit
-def _mma_program(e_ptr, K, SPLIT: tl.constexpr):
-    """A one-warp program's place: (row-tile program, pair j, K part sk, row-tile programs, pair j's expert, the
-    K tiles of a row tile, those of one part)."""
+def _mma_program(rows_ptr, K, SPLIT: tl.constexpr, TWO: tl.constexpr):
+    """A one-warp program's place: (row-tile program, pair j, second pair j2, K part sk, row-tile programs, the K
+    tiles of a row tile, those of one part). Program row i is pair i, or with TWO the pairs of row i of
+    `moe_pair_rows_kernel`'s table (two of one expert; j2 = -1: none; j = -1: an empty row)."""
     ktt = K // 128
-    return (tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-            tl.load(e_ptr + tl.program_id(1)).to(tl.int64), ktt, ktt // SPLIT)
+    if TWO:
+        j = tl.load(rows_ptr + 2 * tl.program_id(1))
+        j2 = tl.load(rows_ptr + 2 * tl.program_id(1) + 1)
+    else:
+        j = tl.program_id(1)
+        j2 = -1
+    return tl.program_id(0), j, j2, tl.program_id(2), tl.num_programs(0), ktt, ktt // SPLIT
 
 
 @triton.jit
@@ -156,53 +214,21 @@ def _hb_index(ch):
 
 
 @triton.jit
-def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
-                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
-    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
-    that token's x. The last K part of a tile to
-    arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times 2^64 split hi + lo
-    in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL (sm_90): the down launch
-    may start once every program of this one has started (it waits for this launch's end before it reads h)."""
-    if PDL:
-        gdc_launch_dependents()
-    c, j, sk, n_ct, e, ktt, kt = _mma_program(e_ptr, D, SPLIT)
-    lane, g, t, gg, part = _lane_roles()
-    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
-    wg = w_ptr + (tile0 * 256 + lane * 4)
-    wu = wg + ktt * 256
-    sg = s_ptr + (tile0 * 64 + lane * 2)
-    su = sg + ktt * 64
-    xp = x_ptr + ((j // TOPK).to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
-    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
-    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
-    x0, x1, x2, x3 = _mma_x(xp, part)
-    gt = tl.zeros((32,), dtype=tl.float32)
-    gb = gt
-    ut = gt
-    ub = gt
-    for i in range(kt):
-        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
-        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
-        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
-        y0, y1, y2, y3 = x0, x1, x2, x3
-        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
-        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
-        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
-        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
-        gt += top
-        gb += bot
-        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
-        ut += top
-        ub += bot
+def _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, ok, SPLIT: tl.constexpr):
+    """Pair j's K-part partials of the gate and up rows of tile c (fp32, [pairs x SPLIT, 2, I])."""
     pp = part_ptr + (j * SPLIT + sk) * 2 * I + c * 16 + g
-    tl.store(pp, _quad_sum(gt), mask=t == 0)
-    tl.store(pp + 8, _quad_sum(gb), mask=t == 0)
-    tl.store(pp + I, _quad_sum(ut), mask=t == 0)
-    tl.store(pp + I + 8, _quad_sum(ub), mask=t == 0)
-    tl.debug_barrier()
+    keep = (t == 0) & ok
+    tl.store(pp, _quad_sum(gt), mask=keep)
+    tl.store(pp + 8, _quad_sum(gb), mask=keep)
+    tl.store(pp + I, _quad_sum(ut), mask=keep)
+    tl.store(pp + I + 8, _quad_sum(ub), mask=keep)
+
+
+@triton.jit
+def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT: tl.constexpr,
+                    SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """The last K part of pair j's tile c to arrive adds the SPLIT partials (a fixed tree), applies the clamped
+    SwiGLU and writes h x 2^64 split hi + lo in bf16 where down's lanes read it (`_hb_index`)."""
     lock_at = lock_ptr + j * n_ct + c
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
         q = tl.arange(0, SPLITP)[:, None]
@@ -224,52 +250,95 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, part_ptr, lock_ptr, hb_pt
 
 
 @triton.jit
-def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I, TOPK,
-                        SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
-    rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B. The last
-    arrival adds the partials by fixed trees: SUM: out[t, r rows] = sum_j wt[j] sum_sk part (+ add[t]) over the
-    TOPK pairs of token t = j // TOPK, else out[j, r rows] = wt[j] sum_sk part (fp32 contributions). PDL (sm_90,
-    launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first step's
-    weights and the pairs' experts are read before the wait in the source, so they must have been written before
-    gate/up began (the host launches without PDL right after a repack); everything else is read and written after
-    it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc loads below the
-    wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
-    r, j, sk, n_rt, e, ktt, kt = _mma_program(e_ptr, I, SPLIT)
-    lane, g, t, gg, part = _lane_roles()
-    tile0 = (e * n_rt + r) * ktt + sk * kt
-    wp = w_ptr + (tile0 * 256 + lane * 4)
-    sp = s_ptr + (tile0 * 64 + lane * 2)
-    xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
-    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
-    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
+                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                           TWO: tl.constexpr = False, PDL: tl.constexpr = False):
+    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
+    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
+    that token's x. TWO: program row i takes the two pairs of one expert in row i of rows_ptr, the second pair's x
+    in the B columns of the first's (zero) lo parts, so one decode of the weights serves both. The last K part of
+    a pair's tile to arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times
+    2^64 split hi + lo in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL
+    (sm_90): the down launch may start once every program of this one has started (it waits for this launch's end
+    before it reads h)."""
     if PDL:
-        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-    x0, x1, x2, x3 = _mma_h(xp)
-    x4, x5, x6, x7 = _mma_h(xp + 256)
-    top = tl.zeros((32,), dtype=tl.float32)
-    bot = top
-    for i in range(0, kt, 2):
+        gdc_launch_dependents()
+    c, j, j2, sk, n_ct, ktt, kt = _mma_program(rows_ptr, D, SPLIT, TWO)
+    if TWO:
+        if j < 0:  # an empty row of the pair table
+            return
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
+    wg = w_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    tok = j // TOPK
+    if TWO:  # lanes of the lo part read the second pair's token (the first's again when there is none)
+        tok = tl.where(part == 0, tok, tl.where(j2 < 0, tok, j2 // TOPK))
+    xp = x_ptr + (tok.to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
+    x0, x1, x2, x3 = _mma_x(xp, part, not TWO)
+    gt = tl.zeros((32,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    gt2 = gt
+    gb2 = gt
+    ut2 = gt
+    ub2 = gt
+    for i in range(kt):
         w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
         v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
-        ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
-        y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
-        n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
-        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
-        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
-        x0, x1, x2, x3 = _mma_h(xp + n * 256)
-        x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
-        p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
-        top += p
-        bot += q
-        p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
-        top += p
-        bot += q
-    pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
-    tl.store(pp, _quad_sum(top), mask=t == 0)
-    tl.store(pp + 8, _quad_sum(bot), mask=t == 0)
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part, not TWO)
+        if TWO:
+            top, bot, top2, bot2 = _mma_tile_cols(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+            gt += top
+            gb += bot
+            gt2 += top2
+            gb2 += bot2
+            top, bot, top2, bot2 = _mma_tile_cols(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+            ut += top
+            ub += bot
+            ut2 += top2
+            ub2 += bot2
+        else:
+            top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+            gt += top
+            gb += bot
+            top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+            ut += top
+            ub += bot
+    _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, True, SPLIT)
+    if TWO:
+        _gate_up_parts(part_ptr, j2, sk, I, c, g, t, gt2, gb2, ut2, ub2, j2 >= 0, SPLIT)
     tl.debug_barrier()
+    _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+    if TWO:
+        if j2 >= 0:
+            _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j2, c, n_ct, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+
+
+@triton.jit
+def _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, ok, SPLIT: tl.constexpr):
+    """Pair j's K-part partials of row tile r (fp32, [pairs x SPLIT, D])."""
+    pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
+    tl.store(pp, _quad_sum(top), mask=(t == 0) & ok)
+    tl.store(pp + 8, _quad_sum(bot), mask=(t == 0) & ok)
+
+
+@triton.jit
+def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT: tl.constexpr,
+                 TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """The last arrival at pair j's row tile r adds the partials by fixed trees: SUM: out[t, rows] = sum_j wt[j]
+    sum_sk part (+ add[t]) over the TOPK pairs of token t = j // TOPK, else out[j, rows] = wt[j] sum_sk part."""
     rows = r * 16 + tl.arange(0, 16)
     if SUM:
         tok = j // TOPK
@@ -296,6 +365,86 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, wt_ptr, part_ptr, lock_ptr,
             tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
             tl.store(out_ptr + j * D + rows, tot)
             tl.atomic_xchg(lock_at, 0)
+
+
+@triton.jit
+def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I,
+                        TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
+                        TWO: tl.constexpr = False, PDL: tl.constexpr = False):
+    """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
+    rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B; TWO: the
+    two pairs of row i of rows_ptr (one expert), a second mma from each decoded tile. Then `_down_finish`. PDL
+    (sm_90, launched as a programmatic dependent of the launch before it, gate/up or a kernel after it): the first
+    step's weights, the pair table and the pairs' experts are read before the wait in the source, so they must have
+    been written before gate/up began (the host launches without PDL right after a repack); everything else is read
+    and written after it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc
+    loads below the wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
+    r, j, j2, sk, n_rt, ktt, kt = _mma_program(rows_ptr, I, SPLIT, TWO)
+    if TWO:
+        if j < 0:  # an empty row of the pair table
+            return
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_rt + r) * ktt + sk * kt
+    wp = w_ptr + (tile0 * 256 + lane * 4)
+    sp = s_ptr + (tile0 * 64 + lane * 2)
+    xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
+    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
+    if PDL:
+        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
+    x0, x1, x2, x3 = _mma_h(xp)
+    x4, x5, x6, x7 = _mma_h(xp + 256)
+    if TWO:
+        xq = hb_ptr + (tl.where(j2 < 0, j, j2) * 2 * I + sk * kt * 256 + lane * 8)  # the second pair's h
+        z0, z1, z2, z3 = _mma_h(xq)
+        z4, z5, z6, z7 = _mma_h(xq + 256)
+    else:
+        z0, z1, z2, z3, z4, z5, z6, z7 = x0, x1, x2, x3, x4, x5, x6, x7  # unused
+    top = tl.zeros((32,), dtype=tl.float32)
+    bot = top
+    top2 = top
+    bot2 = top
+    for i in range(0, kt, 2):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        ca0, ca1, cb0, cb1 = as0, as1, bs0, bs1
+        y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+        u0, u1, u2, u3, u4, u5, u6, u7 = z0, z1, z2, z3, z4, z5, z6, z7
+        n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
+        x0, x1, x2, x3 = _mma_h(xp + n * 256)
+        x4, x5, x6, x7 = _mma_h(xp + n * 256 + 256)
+        if TWO:
+            z0, z1, z2, z3 = _mma_h(xq + n * 256)
+            z4, z5, z6, z7 = _mma_h(xq + n * 256 + 256)
+            p, q, p2, q2 = _mma_tile2(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, u0, u1, u2, u3, gg, ca0, ca1)
+            top += p
+            bot += q
+            top2 += p2
+            bot2 += q2
+            p, q, p2, q2 = _mma_tile2(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, u4, u5, u6, u7, gg, cb0, cb1)
+            top += p
+            bot += q
+            top2 += p2
+            bot2 += q2
+        else:
+            p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
+            top += p
+            bot += q
+            p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
+            top += p
+            bot += q
+    _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, True, SPLIT)
+    if TWO:
+        _down_parts(part_ptr, j2, sk, D, r, g, t, top2, bot2, j2 >= 0, SPLIT)
+    tl.debug_barrier()
+    _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
+    if TWO:
+        if j2 >= 0:
+            _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j2, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM,
+                         HAS_ADD)
 
 
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's

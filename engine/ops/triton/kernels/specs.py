@@ -15,7 +15,7 @@ from .dense import dense_gemv_kernel, dense_mma_kernel
 from .fp8 import fp8_stream_kernel, matmul_kernel
 from .mhc import hc_mix_dot_kernel, hc_mix_partial_kernel, hc_post_kernel, hc_pre_kernel
 from .mma import fp8_mma_kernel, moe_mma_down_kernel, moe_mma_gate_up_kernel
-from .moe import moe_down_kernel, moe_gate_up_kernel, moe_sum_kernel, swiglu_kernel
+from .moe import moe_down_kernel, moe_gate_up_kernel, moe_pair_rows_kernel, moe_sum_kernel, swiglu_kernel
 from .norm_rope import rms_norm_kernel, rope_cos_sin_kernel, rope_kernel
 from .topk import route_kernel, topk_kernel, topk_sort_kernel
 
@@ -95,6 +95,8 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("moe_down_stream_prefetch", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, SUM=True, HAS_ADD=True, PREFETCH=True, SPLITP=8), 4, False),
+    ("moe_pair_rows", moe_pair_rows_kernel,  # 64 tokens x 6 pairs two to a row (the tensor-core MoE's table)
+     _sig("e_ptr rows_ptr P", "*i64 *i32 i32", PP=512, CHUNK=32), 4, False),
     ("moe_sum", moe_sum_kernel, _sig("c_ptr out_ptr add_ptr D", "*fp32 *bf16 *bf16 i32", TOPK=6, BLOCK_D=1024,
                                      HAS_ADD=True), 4, False),
     ("rms_norm", rms_norm_kernel,
@@ -211,6 +213,10 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode, base.py),
 # the inline-PTX E2M1 decode (PRMT), the few-token tensor-core MXFP4 kernels (inline PTX mma.sync) and the prefill
 # MoE's swapped 128-row dots (MOE_DOT on CUDA; ROCm keeps MOE_DOT_ROCM's forms), and attention's CUDA tiles.
+_MMA_UP = ("x_ptr w_ptr s_ptr e_ptr rows_ptr part_ptr lock_ptr hb_ptr I D TOPK limit",
+           "*bf16 *i32 *u8 *i64 *i32 *fp32 *i32 *bf16 i32 i32 i32 fp32")
+_MMA_DOWN = ("hb_ptr w_ptr s_ptr e_ptr rows_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
+             "*bf16 *i32 *u8 *i64 *i32 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32")
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
@@ -237,13 +243,13 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the few-token tensor-core MXFP4 (inline PTX mma.sync)
-     _sig("x_ptr w_ptr s_ptr e_ptr part_ptr lock_ptr hb_ptr I D TOPK limit",
-          "*bf16 *i32 *u8 *i64 *fp32 *i32 *bf16 i32 i32 i32 fp32", HAS_LIMIT=True, SPLIT=4, SPLITP=4,
-          PDL=PDL_AVAILABLE), 1, True),
+     _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=4, SPLITP=4, PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_gate_up_two", moe_mma_gate_up_kernel,  # two pairs of one expert a program row (8-64 tokens)
+     _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=4, SPLITP=4, TWO=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down", moe_mma_down_kernel,
-     _sig("hb_ptr w_ptr s_ptr e_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
-          "*bf16 *i32 *u8 *i64 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32", SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True,
-          PDL=PDL_AVAILABLE), 1, True),
+     _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_down_two", moe_mma_down_kernel,
+     _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
