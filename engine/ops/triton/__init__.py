@@ -550,8 +550,9 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its launch and first loads overlap gate/up's
 # end (NOTES runs 63, 118).
 # TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
-# decode of an expert's tile serves two tokens (NOTES run 195).
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 8}
+# decode of an expert's tile serves two tokens; the H200 (NOTES run 195): 7-8% slower at 4-8 tokens (the table's
+# launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
