@@ -300,7 +300,7 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         configs += [{"STREAM": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((64, 4, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (16, 16, 4, 2),
                                           (32, 16, 8, 2), (8, 16, 2, 2), (16, 8, 4, 2), (8, 8, 1, 2))]
-        # the per-pair tensor-core kernels' K splits (gate/up, down)
+        # the per-pair tensor-core kernels' K splits (gate/up, down; two pairs a row from the default TWO_MIN_T)
         configs += [{"MMA": True, "SPLIT_UP": u, "SPLIT_DOWN": dn}
                     for u, dn in ((4, 2), (2, 2), (4, 4), (2, 4), (8, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
@@ -321,9 +321,11 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         nbytes = n_unique * per_expert + act
         best = None
         timed = []
+        untimed = []
         for cfg in configs:
-            if cfg.get("TWO_MIN_T", 0) > 64 and t < configs[0].get("TWO_MIN_T", 0):
-                continue  # below TWO_MIN_T the default is one pair a row too: timed once
+            if cfg.get("TWO_MIN_T", 0) > 64 and t < saved["MOE_MMA"]["TWO_MIN_T"]:
+                untimed.append(cfg)  # below TWO_MIN_T the default is one pair a row too: timed once, kept for later T
+                continue
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
 
@@ -353,8 +355,9 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
               flush=True)
         # the 3 fastest forms of each kind go on to larger T
         ranked = [c for _, c in sorted(timed, key=lambda p: p[0])]
-        configs = ([c for c in ranked if c.get("DOT")][:3] + [c for c in ranked if c.get("STREAM")][:3]
-                   + [c for c in ranked if c.get("MMA")][:3])
+        configs = ([c for c in ranked if c.get("MMA")][:3] + [c for c in ranked if c.get("DOT")][:3]
+                   + [c for c in ranked if c.get("STREAM")][:3])
+        configs += [c for c in untimed + [c for c in ranked if c.get("TWO_MIN_T", 0) > 64] if c not in configs]
     for name, table in saved.items():  # the defaults again for the benchmarks after this one
         getattr(tri, name).update(table)
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]
