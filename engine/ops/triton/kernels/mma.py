@@ -447,6 +447,153 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
                          HAS_ADD)
 
 
+
+# Expert rows: up to 4 pairs of one expert a program row (`moe_pair_rows_kernel` with W = 4), one decode of each weight
+# tile for all of them. B's columns are the row's 4 pairs (column 2u: pair u's hi part, 2u + 1: its lo part, zero for
+# bf16 x), so every lane takes every group: each group's two mma steps start from a zero accumulator and the lane
+# scales its rows' sums by the group's scales before adding them to its pair's (pair t's) running sums, one per group.
+# The lane's accumulator columns are then pair t's finished rows g and g + 8: no lane sums, and the groups are added
+# last in the order `_quad_sum` adds them, so each pair's sums are those of one pair a row, bit for bit.
+
+
+@triton.jit
+def _rows_load(wp, sp, n):
+    """Tile n's 8 words for the lane (as `_mma_tile_load`) and its 8 scale bytes (sp: the tile's scales of rows g
+    and g + 8, groups 0-3, one 8-byte load)."""
+    w0, w1, w2, w3 = _ld16(wp + n * 256)
+    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128)
+    return w0, w1, w2, w3, w4, w5, w6, w7, tl.load((sp + n * 64).to(tl.pointer_type(tl.uint64), bitcast=True))
+
+
+@triton.jit
+def _rows_group(wa, wb, b0, b1, b2, b3, sv, top, bot, Q: tl.constexpr):
+    """Group Q's two mma steps (words wa, wb; B registers b*) from zero, times 2^62 and the rows' group scales,
+    added to the running sums of rows g (top) and g + 8 (bot) of the lane's pair."""
+    z = tl.zeros_like(top)
+    a0, a1, a2, a3 = _a_regs(wa)
+    c0, c1, c2, c3 = _mma_bf16(a0, a1, a2, a3, b0, b1, z, z, z, z)
+    a0, a1, a2, a3 = _a_regs(wb)
+    c0, c1, c2, c3 = _mma_bf16(a0, a1, a2, a3, b2, b3, c0, c1, c2, c3)
+    return top + _mma_apply(c0, c1, (sv >> (16 * Q)) & 0xFF), bot + _mma_apply(c2, c3, (sv >> (16 * Q + 8)) & 0xFF)
+
+
+@triton.jit
+def _rows_tile(w, b, acc):
+    """One tile (w: 8 words + scales) against b (4 B registers a group) into acc (top and bottom sums per group)."""
+    t0, b0 = _rows_group(w[0], w[1], b[0], b[1], b[2], b[3], w[8], acc[0], acc[1], 0)
+    t1, b1 = _rows_group(w[2], w[3], b[4], b[5], b[6], b[7], w[8], acc[2], acc[3], 1)
+    t2, b2 = _rows_group(w[4], w[5], b[8], b[9], b[10], b[11], w[8], acc[4], acc[5], 2)
+    t3, b3 = _rows_group(w[6], w[7], b[12], b[13], b[14], b[15], w[8], acc[6], acc[7], 3)
+    return t0, b0, t1, b1, t2, b2, t3, b3
+
+
+@triton.jit
+def _rows_sum(acc):
+    """(rows g, g + 8) of the lane's pair: the groups added as `_quad_sum` adds the lanes of one pair a row."""
+    return (acc[0] + acc[2]) + (acc[4] + acc[6]), (acc[1] + acc[3]) + (acc[5] + acc[7])
+
+
+@triton.jit
+def _rows_zero():
+    z = tl.zeros((32,), dtype=tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _rows_program(rows_ptr, K, SPLIT: tl.constexpr):
+    """(row-tile program, table row, its first pair, K part, row-tile programs, K tiles of a row tile, of a part)."""
+    row = tl.program_id(1)
+    ktt = K // 128
+    return tl.program_id(0), row, tl.load(rows_ptr + 4 * row), tl.program_id(2), tl.num_programs(0), ktt, ktt // SPLIT
+
+
+@triton.jit
+def moe_mma_rows_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
+                                HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    """`moe_mma_gate_up_kernel` over expert rows: (16-channel tile c, row of up to 4 pairs of one expert, K part sk);
+    the same partials, the same finish per pair."""
+    if PDL:
+        gdc_launch_dependents()
+    c, row, j0, sk, n_ct, ktt, kt = _rows_program(rows_ptr, D, SPLIT)
+    if j0 < 0:  # an empty row of the table
+        return
+    e = tl.load(e_ptr + j0).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    jb = tl.load(rows_ptr + 4 * row + gg)  # B column g's pair (slot g // 2); none: any valid x, its column unused
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt
+    wg = w_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + g * 8)
+    su = sg + ktt * 64
+    xp = x_ptr + ((tl.where(jb < 0, j0, jb) // TOPK).to(tl.int64) * D + sk * kt * 128 + 2 * t)
+    a = _rows_load(wg, sg, 0)
+    b = _rows_load(wu, su, 0)
+    ga = _rows_zero()
+    ua = _rows_zero()
+    for i in range(kt):
+        wa = a
+        wb = b
+        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
+        a = _rows_load(wg, sg, n)
+        b = _rows_load(wu, su, n)
+        xi = xp + i * 128
+        xs = _mma_x(xi, part) + _mma_x(xi + 32, part) + _mma_x(xi + 64, part) + _mma_x(xi + 96, part)
+        ga = _rows_tile(wa, xs, ga)
+        ua = _rows_tile(wb, xs, ua)
+    gt, gb = _rows_sum(ga)
+    ut, ub = _rows_sum(ua)
+    jt = tl.load(rows_ptr + 4 * row + t)  # the pair of this lane's accumulator columns
+    pp = part_ptr + (jt * SPLIT + sk) * 2 * I + c * 16 + g
+    ok = jt >= 0
+    tl.store(pp, gt, mask=ok)
+    tl.store(pp + 8, gb, mask=ok)
+    tl.store(pp + I, ut, mask=ok)
+    tl.store(pp + I + 8, ub, mask=ok)
+    tl.debug_barrier()
+    for u in tl.static_range(4):
+        ju = tl.load(rows_ptr + 4 * row + u)
+        if ju >= 0:
+            _gate_up_finish(part_ptr, lock_ptr, hb_ptr, ju, c, n_ct, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+
+
+@triton.jit
+def moe_mma_rows_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D,
+                             I, TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr,
+                             HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
+    """`moe_mma_down_kernel` over expert rows: (16-row tile r of D, row of up to 4 pairs of one expert, K part sk),
+    B column g the hi or lo part of pair g // 2's h; the same partials, `_down_finish` per pair. PDL as there."""
+    r, row, j0, sk, n_rt, ktt, kt = _rows_program(rows_ptr, I, SPLIT)
+    if j0 < 0:  # an empty row of the table
+        return
+    e = tl.load(e_ptr + j0).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    jb = tl.load(rows_ptr + 4 * row + gg)
+    tile0 = (e * n_rt + r) * ktt + sk * kt
+    wp = w_ptr + (tile0 * 256 + lane * 4)
+    sp = s_ptr + (tile0 * 64 + g * 8)
+    hp = hb_ptr + (tl.where(jb < 0, j0, jb) * 2 * I + sk * kt * 256 + (4 * part + t) * 8)  # `_hb_index`: + 64 q
+    a = _rows_load(wp, sp, 0)
+    if PDL:
+        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
+    acc = _rows_zero()
+    for i in range(kt):
+        w = a
+        a = _rows_load(wp, sp, tl.minimum(i + 1, kt - 1))  # the last step reloads its own tile (unused)
+        hi = hp + i * 256
+        acc = _rows_tile(w, _mma_h(hi) + _mma_h(hi + 64) + _mma_h(hi + 128) + _mma_h(hi + 192), acc)
+    top, bot = _rows_sum(acc)
+    jt = tl.load(rows_ptr + 4 * row + t)
+    pp = part_ptr + (jt * SPLIT + sk) * D + r * 16 + g
+    tl.store(pp, top, mask=jt >= 0)
+    tl.store(pp + 8, bot, mask=jt >= 0)
+    tl.debug_barrier()
+    for u in tl.static_range(4):
+        ju = tl.load(rows_ptr + 4 * row + u)
+        if ju >= 0:
+            _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, ju, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM,
+                         HAS_ADD)
+
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
 # own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
 # block); its word i is mma step i's A registers (bytes 0-1: A columns 2t, 2t + 1; bytes 2-3: 2t + 8, 2t + 9), and its
