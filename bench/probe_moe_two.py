@@ -16,7 +16,8 @@ import torch
 
 tri, ref = B.tri, B.ref
 # one pair a program row, two of one expert (the TWO kernels), up to four (the expert-row kernels)
-FORMS = {"one": {}, "two": {"TWO_MIN_T": 1}, "rows": {"ROWS_MIN_T": 1}}
+FORMS = {"one": {}, "two": {"TWO_MIN_T": 1}, "rows": {"ROWS_MIN_T": 1, "ROWS_X_AHEAD": False},
+         "rows_xa": {"ROWS_MIN_T": 1, "ROWS_X_AHEAD": True}}
 
 
 def main() -> None:

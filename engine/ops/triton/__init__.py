@@ -628,7 +628,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
                words, scales, plan[3], plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb,
                inter, d, plan[-1], float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split,
                SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device), num_warps=1,
-               **({} if wide else {"TWO": rows is not None}))
+               **({"X_AHEAD": bool(MOE_MMA.get("ROWS_X_AHEAD"))} if wide else {"TWO": rows is not None}))
     return hb
 
 

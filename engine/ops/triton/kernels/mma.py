@@ -225,27 +225,33 @@ def _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, ok, SPLIT: tl.co
 
 
 @triton.jit
+def _gate_up_h(part_ptr, hb_ptr, j, c, I, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
+    """Pair j's tile c once all its K parts are in: the SPLIT partials added (a fixed tree), the clamped SwiGLU, and
+    h x 2^64 split hi + lo in bf16 written where down's lanes read it (`_hb_index`)."""
+    q = tl.arange(0, SPLITP)[:, None]
+    ch = c * 16 + tl.arange(0, 16)[None, :]
+    at = part_ptr + (j * SPLIT + q) * 2 * I + ch
+    ok = q < SPLIT
+    gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    if HAS_LIMIT:
+        gs = tl.minimum(gs, limit)
+        us = tl.minimum(tl.maximum(us, -limit), limit)
+    h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+    hi = h.to(tl.bfloat16)
+    lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+    at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+    tl.store(at, hi)
+    tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
+
+
+@triton.jit
 def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT: tl.constexpr,
                     SPLIT: tl.constexpr, SPLITP: tl.constexpr):
-    """The last K part of pair j's tile c to arrive adds the SPLIT partials (a fixed tree), applies the clamped
-    SwiGLU and writes h x 2^64 split hi + lo in bf16 where down's lanes read it (`_hb_index`)."""
+    """The last K part of pair j's tile c to arrive makes its h (`_gate_up_h`)."""
     lock_at = lock_ptr + j * n_ct + c
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
-        q = tl.arange(0, SPLITP)[:, None]
-        ch = c * 16 + tl.arange(0, 16)[None, :]
-        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
-        ok = q < SPLIT
-        gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        if HAS_LIMIT:
-            gs = tl.minimum(gs, limit)
-            us = tl.minimum(tl.maximum(us, -limit), limit)
-        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
-        hi = h.to(tl.bfloat16)
-        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
-        tl.store(at, hi)
-        tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
+        _gate_up_h(part_ptr, hb_ptr, j, c, I, limit, HAS_LIMIT, SPLIT, SPLITP)
         tl.atomic_xchg(lock_at, 0)
 
 
@@ -335,36 +341,49 @@ def _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, ok, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT: tl.constexpr,
-                 TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
-    """The last arrival at pair j's row tile r adds the partials by fixed trees: SUM: out[t, rows] = sum_j wt[j]
-    sum_sk part (+ add[t]) over the TOPK pairs of token t = j // TOPK, else out[j, rows] = wt[j] sum_sk part."""
+def _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, j, r, D, TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr,
+              SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """Row tile r once its partials are in, by fixed trees: SUM: out[t, rows] = sum_j wt[j] sum_sk part (+ add[t])
+    over the TOPK pairs of token t = j // TOPK, else out[j, rows] = wt[j] sum_sk part."""
     rows = r * 16 + tl.arange(0, 16)
     if SUM:
         tok = j // TOPK
-        lock_at = lock_ptr + tok * n_rt + r
-        if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * SPLIT - 1:
-            slot = tl.arange(0, TOPKP)
-            jj = tok * TOPK + slot[:, None, None]
-            ss = tl.arange(0, SPLIT)[None, :, None]
-            ok = slot[:, None, None] < TOPK
-            parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
-                            cache_modifier=".cg")
-            wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
-            tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
-            out_at = tok.to(tl.int64) * D + rows
-            if HAS_ADD:
-                tot += tl.load(add_ptr + out_at).to(tl.float32)
-            tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(lock_at, 0)
+        slot = tl.arange(0, TOPKP)
+        jj = tok * TOPK + slot[:, None, None]
+        ss = tl.arange(0, SPLIT)[None, :, None]
+        ok = slot[:, None, None] < TOPK
+        parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
+                        cache_modifier=".cg")
+        wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
+        tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+        out_at = tok.to(tl.int64) * D + rows
+        if HAS_ADD:
+            tot += tl.load(add_ptr + out_at).to(tl.float32)
+        tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
     else:
-        lock_at = lock_ptr + j * n_rt + r
-        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
-            ss = tl.arange(0, SPLIT)[:, None]
-            parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
-            tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
-            tl.store(out_ptr + j * D + rows, tot)
-            tl.atomic_xchg(lock_at, 0)
+        ss = tl.arange(0, SPLIT)[:, None]
+        parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
+        tl.store(out_ptr + j * D + rows, tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32))
+
+
+@triton.jit
+def _down_lock(j, TOPK, SPLIT: tl.constexpr, SUM: tl.constexpr):
+    """(lock index before the row tile, arrivals it counts): token j // TOPK's (TOPK x SPLIT) or pair j's (SPLIT)."""
+    if SUM:
+        return j // TOPK, TOPK * SPLIT
+    else:
+        return j, SPLIT
+
+
+@triton.jit
+def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT: tl.constexpr,
+                 TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """The last arrival at pair j's row tile r (or, SUM, at its token's) writes it (`_down_out`)."""
+    at, n = _down_lock(j, TOPK, SPLIT, SUM)
+    lock_at = lock_ptr + at * n_rt + r
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n - 1:
+        _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, j, r, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
+        tl.atomic_xchg(lock_at, 0)
 
 
 @triton.jit
@@ -494,6 +513,12 @@ def _rows_sum(acc):
 
 
 @triton.jit
+def _rows_x(xi, part):
+    """The lane's 16 B registers of a tile of x (4 a group; lo-part lanes zero)."""
+    return _mma_x(xi, part) + _mma_x(xi + 32, part) + _mma_x(xi + 64, part) + _mma_x(xi + 96, part)
+
+
+@triton.jit
 def _rows_zero():
     z = tl.zeros((32,), dtype=tl.float32)
     return z, z, z, z, z, z, z, z
@@ -510,7 +535,7 @@ def _rows_program(rows_ptr, K, SPLIT: tl.constexpr):
 @triton.jit
 def moe_mma_rows_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
                                 HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                                PDL: tl.constexpr = False):
+                                PDL: tl.constexpr = False, X_AHEAD: tl.constexpr = False):
     """`moe_mma_gate_up_kernel` over expert rows: (16-channel tile c, row of up to 4 pairs of one expert, K part sk);
     the same partials, the same finish per pair."""
     if PDL:
@@ -531,14 +556,18 @@ def moe_mma_rows_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, 
     b = _rows_load(wu, su, 0)
     ga = _rows_zero()
     ua = _rows_zero()
+    xn = _rows_x(xp, part)
     for i in range(kt):
         wa = a
         wb = b
         n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
         a = _rows_load(wg, sg, n)
         b = _rows_load(wu, su, n)
-        xi = xp + i * 128
-        xs = _mma_x(xi, part) + _mma_x(xi + 32, part) + _mma_x(xi + 64, part) + _mma_x(xi + 96, part)
+        if X_AHEAD:
+            xs = xn
+            xn = _rows_x(xp + n * 128, part)
+        else:
+            xs = _rows_x(xp + i * 128, part)
         ga = _rows_tile(wa, xs, ga)
         ua = _rows_tile(wb, xs, ua)
     gt, gb = _rows_sum(ga)
@@ -551,10 +580,13 @@ def moe_mma_rows_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, 
     tl.store(pp + I, ut, mask=ok)
     tl.store(pp + I + 8, ub, mask=ok)
     tl.debug_barrier()
-    for u in tl.static_range(4):
-        ju = tl.load(rows_ptr + 4 * row + u)
-        if ju >= 0:
-            _gate_up_finish(part_ptr, lock_ptr, hb_ptr, ju, c, n_ct, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+    lock_at = lock_ptr + row * n_ct + c  # one count a row: its pairs' partials arrive together
+    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+        for u in tl.static_range(4):
+            ju = tl.load(rows_ptr + 4 * row + u)
+            if ju >= 0:
+                _gate_up_h(part_ptr, hb_ptr, ju, c, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+        tl.atomic_xchg(lock_at, 0)
 
 
 @triton.jit
@@ -588,11 +620,15 @@ def moe_mma_rows_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part
     tl.store(pp, top, mask=jt >= 0)
     tl.store(pp + 8, bot, mask=jt >= 0)
     tl.debug_barrier()
+    slot = tl.arange(0, 4)  # the pairs' counts in one vector atomic (their tokens differ: one expert a row)
+    js = tl.load(rows_ptr + 4 * row + slot)
+    at, n = _down_lock(js, TOPK, SPLIT, SUM)
+    last = tl.atomic_add(lock_ptr + at * n_rt + r, 1, mask=js >= 0, sem="acq_rel") == n - 1
     for u in tl.static_range(4):
-        ju = tl.load(rows_ptr + 4 * row + u)
-        if ju >= 0:
-            _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, ju, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM,
-                         HAS_ADD)
+        if tl.sum(tl.where((slot == u) & last & (js >= 0), 1, 0)) > 0:
+            ju = tl.load(rows_ptr + 4 * row + u)
+            _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, ju, r, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
+            tl.atomic_xchg(lock_ptr + _down_lock(ju, TOPK, SPLIT, SUM)[0] * n_rt + r, 0)
 
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
 # own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
