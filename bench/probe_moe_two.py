@@ -1,9 +1,8 @@
-"""Two pairs of one expert a program row (MOE_MMA TWO_MIN_T) and up to four (ROWS_MIN_T, the expert-row kernels)
-against one pair a row, at V4-Flash shapes: bits equal first, then the gate/up + down launches timed in CUDA graphs
-with the pair-rows table built inside each call. Bytes as bench_kernels.py's moe_bench (the distinct selected
-experts' weights and scales + activations). On the GPU machine (default T: 4 6 8 12 16 24 32 48 64):
+"""Two pairs of one expert a program row (MOE_MMA TWO_MIN_T) against one pair a row, at V4-Flash shapes: bits
+equal first, then the gate/up + down launches timed in CUDA graphs with the pair-rows table built inside each call.
+Bytes as bench_kernels.py's moe_bench (the distinct selected experts' weights and scales + activations).
 
-    python bench/probe_moe_two.py [--out DIR] [--forms one two rows] [T ...]
+    python bench/probe_moe_two.py [--out DIR] [T ...]   # on the GPU machine; default T: 4 6 8 12 16 24 32 48 64
 """
 
 from __future__ import annotations
@@ -15,16 +14,12 @@ import bench_kernels as B
 import torch
 
 tri, ref = B.tri, B.ref
-# one pair a program row, two of one expert (the TWO kernels), up to four (the expert-row kernels)
-FORMS = {"one": {}, "two": {"TWO_MIN_T": 1}, "rows": {"ROWS_MIN_T": 1, "ROWS_X_AHEAD": False},
-         "rows_xa": {"ROWS_MIN_T": 1, "ROWS_X_AHEAD": True}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--small", action="store_true", help="CPU smoke run (read at import by bench_kernels)")
-    ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     ap.add_argument("tokens", nargs="*", type=int, default=[4, 6, 8, 12, 16, 24, 32, 48, 64])
     args = ap.parse_args()
     tri.MOE_PAIRS_MAX_T.update(mma=64)
@@ -43,18 +38,16 @@ def main() -> None:
         n_unique = statistics.mean(torch.unique(s[1]).numel() for s in sets)
         counts = [torch.bincount(s[1].reshape(-1), minlength=B.N_EXP) for s in sets]
         n_rows = statistics.mean(((c + 1) // 2).sum().item() for c in counts)
-        n_rows4 = statistics.mean(((c + 3) // 4).sum().item() for c in counts)
         nbytes = n_unique * per_expert + t * B.HID * 2 + t * B.TOPK * B.INTER * 4 * 2 + t * B.TOPK * B.HID * 4
         x, idx, wt = sets[0]
         want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
-        row = {"tokens": t, "unique_experts": n_unique, "two_rows": n_rows, "rows4": n_rows4, "pairs": t * B.TOPK,
+        row = {"tokens": t, "unique_experts": n_unique, "two_rows": n_rows, "pairs": t * B.TOPK,
                "bytes_MB": nbytes / 1e6}
         outs = {}
-        for name in args.forms:
-            tri.MOE_MMA.update(TWO_MIN_T=1 << 30, ROWS_MIN_T=1 << 30)
-            tri.MOE_MMA.update(FORMS[name])
+        for name, two_min_t in (("one", 1 << 30), ("two", 1)):
+            tri.MOE_MMA["TWO_MIN_T"] = two_min_t
             outs[name] = tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0)
-            B.check(results, f"moe T={t} {name}", B.rel(outs[name], want))
+            B.check(results, f"moe T={t} {name} pair(s) a row", B.rel(outs[name], want))
 
             def run(x, idx, wt):
                 plan = tri.moe_prepare(x, idx, B.N_EXP)  # (the tables are device ops; in the graph)
@@ -63,9 +56,8 @@ def main() -> None:
             ms = [B.time_graph_ms(run, sets) for _ in range(3)]
             row[f"{name}_us"] = [round(m * 1e3, 1) for m in ms]
             row[f"{name}_frac"] = round(nbytes / (min(ms) * 1e-3) / 1e12 / copy, 3)
-        for name in args.forms[1:]:
-            B.check(results, f"moe T={t} {name} = {args.forms[0]}, bit for bit",
-                    0.0 if torch.equal(outs[name], outs[args.forms[0]]) else float("inf"), tol=0.0)
+        B.check(results, f"moe T={t} two pairs a row = one, bit for bit", 0.0 if torch.equal(outs["one"], outs["two"])
+                else float("inf"), tol=0.0)
         print(row, flush=True)
         rows.append(row)
     B.probe_done(args.out, "probe_moe_two", rows, results, copy_TBps=copy)

@@ -145,33 +145,28 @@ def test_repacked_weights_follow_their_tensors():
     assert all(entry[0][1]() is not None for entry in tri._MMA_PACKED.values())  # no entry outlives a tensor
 
 
-@pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("t,k,e", [(8, 6, 3), (13, 2, 5), (64, 6, 256), (64, 6, 16)])
-def test_pair_rows_put_pairs_of_one_expert_in_a_row(t, k, e, width):
+def test_pair_rows_put_two_pairs_of_one_expert_in_a_row(t, k, e):
     """The tensor-core kernels' program rows (`moe_pair_rows_kernel`, in the interpreter): every pair once; a row's
-    pairs share their expert, fill its columns from the first, in pair order; an expert of n pairs takes
-    ceil(n / width) rows, all full but its last, which holds n % width (or width); empty rows are wholly empty."""
+    two pairs share their expert, in pair order; an expert of n pairs takes ceil(n / 2) rows, so only its last can
+    hold one; empty rows are wholly empty."""
     g = torch.Generator().manual_seed(t * 100 + e)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] if k <= e else torch.randint(0, e, (k,), generator=g)
                        for _ in range(t)])
-    rows = tri._pair_rows(idx, width)
+    rows = tri._pair_rows(idx)
     flat = idx.reshape(-1)
-    assert rows.shape == (t * k, width) and rows.dtype == torch.int32
+    assert rows.shape == (t * k, 2) and rows.dtype == torch.int32
     used = rows[rows >= 0]
     assert torch.equal(used.sort().values, torch.arange(t * k, dtype=torch.int32))  # every pair exactly once
     assert ((rows == -1) | (rows >= 0)).all()
-    filled = (rows >= 0).sum(1)
-    assert torch.equal(rows >= 0, torch.arange(width)[None, :] < filled[:, None])  # columns filled from the first
-    live = filled > 0
-    for c in range(1, width):
-        both = rows[:, c] >= 0
-        assert (rows[both, c - 1] < rows[both, c]).all()
-        assert torch.equal(flat[rows[both, 0].long()], flat[rows[both, c].long()])
+    full = rows[:, 1] >= 0
+    assert (rows[full, 0] >= 0).all() and (rows[full, 0] < rows[full, 1]).all()
+    assert torch.equal(flat[rows[full, 0].long()], flat[rows[full, 1].long()])
+    live = rows[:, 0] >= 0
     counts = torch.bincount(flat, minlength=e)
-    assert live.sum().item() == ((counts + width - 1) // width).sum().item()
-    part = live & (filled < width)
-    assert torch.equal(torch.bincount(flat[rows[part, 0].long()], weights=filled[part].double(), minlength=e).long(),
-                      counts % width)
+    assert live.sum().item() == ((counts + 1) // 2).sum().item()
+    single = live & ~full
+    assert torch.equal(torch.bincount(flat[rows[single, 0].long()], minlength=e), counts % 2)
 
 
 def test_tensor_core_path_is_off_on_the_cpu():
@@ -253,12 +248,11 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("form", ["TWO_MIN_T", "ROWS_MIN_T"])
 @pytest.mark.parametrize("t,e,with_shared", [(8, 16, True), (16, 256, False), (64, 16, True), (64, 256, True)])
-def test_pairs_a_row_are_bit_identical_gpu(t, e, with_shared, form, monkeypatch):
-    """Two pairs of one expert a program row (MOE_MMA TWO_MIN_T) or up to four (ROWS_MIN_T, the expert-row kernels;
-    at 16 experts most rows are full, at 256 a few) give the bits of one pair a row: each mma column and each
-    partial sum is the same arithmetic. And both are within the bf16 bound of the reference."""
+def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
+    """Two pairs of one expert a program row (MOE_MMA TWO_MIN_T; at 16 experts most rows are full, at 256 a few)
+    give the bits of one pair a row: each mma column and each partial sum is the same arithmetic. And both are
+    within the bf16 bound of the reference."""
     monkeypatch.setattr(tri, "POISON", True)
     dev = torch.device("cuda")
     if not tri._mma_on(torch.zeros(t, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
@@ -266,24 +260,20 @@ def test_pairs_a_row_are_bit_identical_gpu(t, e, with_shared, form, monkeypatch)
     g = torch.Generator(dev).manual_seed(13 + t + e)
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, 6, scale_200=True, t=t)
     shared = (torch.randn(t, 4096, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
-    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 1 << 30)
-    monkeypatch.setitem(tri.MOE_MMA, "ROWS_MIN_T", 1 << 30)
-    width = 2 if form == "TWO_MIN_T" else 4
 
-    def run(min_t: int) -> torch.Tensor:
-        monkeypatch.setitem(tri.MOE_MMA, form, min_t)
-        rows = tri.moe_prepare(x, idx, e)[-2]
-        assert (rows.shape[1] == width) if t >= min_t else rows is None
+    def run(two_min_t: int) -> torch.Tensor:
+        monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", two_min_t)
+        assert (tri.moe_prepare(x, idx, e)[-2] is not None) == (t >= two_min_t)
         return tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
 
     two, one = run(8), run(1 << 30)
     assert torch.equal(two, one)
     assert torch.equal(run(8), two), "not bit-reproducible"
-    monkeypatch.setitem(tri.MOE_MMA, form, 8)
+    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 8)
     plan = tri.moe_prepare(x, idx, e)
     hb = tri.moe_gate_up(x, w1, w3, plan, 7.0)
     unsummed = tri.moe_down(hb, w2, wt, plan)  # per pair, weighted (down's other epilogue)
-    monkeypatch.setitem(tri.MOE_MMA, form, 1 << 30)
+    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 1 << 30)
     plan1 = tri.moe_prepare(x, idx, e)
     assert torch.equal(hb, tri.moe_gate_up(x, w1, w3, plan1, 7.0))
     assert torch.equal(unsummed, tri.moe_down(hb, w2, wt, plan1))
@@ -292,8 +282,7 @@ def test_pairs_a_row_are_bit_identical_gpu(t, e, with_shared, form, monkeypatch)
     assert not tri._locks(dev, 0).any()
 
 
-@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two",
-                                  "moe_mma_rows_gate_up", "moe_mma_rows_down"])
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

@@ -491,13 +491,12 @@ def _pair_tables(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, to
     return ids // k, ids, ids + 1
 
 
-def _pair_rows(idx: torch.Tensor, width: int = 2) -> torch.Tensor:
-    """[P, width] int32: the pairs (flat token x k + slot) `width` to a row by expert (kernels/moe.py
+def _pair_rows(idx: torch.Tensor) -> torch.Tensor:
+    """[P, 2] int32: the pairs (flat token x k + slot) two to a row by expert (kernels/moe.py
     `moe_pair_rows_kernel`), -1 where none."""
     p = idx.numel()
-    rows = _empty(p, width, dtype=torch.int32, device=idx.device)
-    _Launch(idx)("moe_pair_rows_kernel", (1,), idx.reshape(-1), rows, p, PP=_pow2(p, 16), CHUNK=32, W=width,
-                 num_warps=4)
+    rows = _empty(p, 2, dtype=torch.int32, device=idx.device)
+    _Launch(idx)("moe_pair_rows_kernel", (1,), idx.reshape(-1), rows, p, PP=_pow2(p, 16), CHUNK=32, num_warps=4)
     return rows
 
 
@@ -510,8 +509,7 @@ def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
         # a few tokens: block j is pair j, token-major (no sort; the kernels read the expert ids as they are); on
         # the tensor-core path from MOE_MMA["TWO_MIN_T"] tokens, a table of program rows of two pairs of one expert
         tok, pairs, ends = _pair_tables(t, topk, idx.device)
-        width = 4 if t >= MOE_MMA["ROWS_MIN_T"] else 2 if t >= MOE_MMA["TWO_MIN_T"] else 0
-        rows = _pair_rows(idx, width) if mma and width else None
+        rows = _pair_rows(idx) if mma and t >= MOE_MMA["TWO_MIN_T"] else None
         return (1, tok, pairs, idx.reshape(-1), pairs, ends, rows, topk)
     per_expert = triton_cdiv(t * topk, n_experts)  # the smallest block that holds an expert's mean share of pairs
     cap = _moe_dot_tile(x.device, down=False).get("BLOCK_M_MAX", 64)  # (1024 tokens x 6 of 256: 32; NOTES 144, 153)
@@ -554,7 +552,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
 # decode of an expert's tile serves two tokens; the H200 (NOTES run 195): 7-8% slower at 4-8 tokens (the table's
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12, "ROWS_MIN_T": 1 << 30}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -623,12 +621,10 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
     rows = plan[-2]
-    wide = rows is not None and rows.shape[1] == 4  # expert rows of up to 4 pairs
-    _Launch(x)("moe_mma_rows_gate_up_kernel" if wide else "moe_mma_gate_up_kernel", (inter // 16, p, split), x,
-               words, scales, plan[3], plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb,
-               inter, d, plan[-1], float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split,
-               SPLITP=_pow2(split, 1), PDL=_mma_pdl(x.device), num_warps=1,
-               **({"X_AHEAD": bool(MOE_MMA.get("ROWS_X_AHEAD"))} if wide else {"TWO": rows is not None}))
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3],
+               plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb, inter, d, plan[-1],
+               float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1),
+               TWO=rows is not None, PDL=_mma_pdl(x.device), num_warps=1)
     return hb
 
 
@@ -641,12 +637,11 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
     part = _empty(p * split, d, dtype=torch.float32, device=hb.device)
     rows = plan[-2]
-    wide = rows is not None and rows.shape[1] == 4
-    _Launch(hb)("moe_mma_rows_down_kernel" if wide else "moe_mma_down_kernel", (d // 16, p, split), hb, words,
-                scales, plan[3], plan[3] if rows is None else rows, weights.contiguous().reshape(-1), part,
+    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
+                plan[3] if rows is None else rows, weights.contiguous().reshape(-1), part,
                 _locks(hb.device, (p // k if fused else p) * d // 16), c, c if add is None else add.contiguous(), d,
-                inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused, HAS_ADD=add is not None, PDL=pdl,
-                launch_pdl=pdl, num_warps=1, **({} if wide else {"TWO": rows is not None}))
+                inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused, HAS_ADD=add is not None, TWO=rows is not None,
+                PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 

@@ -225,33 +225,27 @@ def _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, ok, SPLIT: tl.co
 
 
 @triton.jit
-def _gate_up_h(part_ptr, hb_ptr, j, c, I, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr):
-    """Pair j's tile c once all its K parts are in: the SPLIT partials added (a fixed tree), the clamped SwiGLU, and
-    h x 2^64 split hi + lo in bf16 written where down's lanes read it (`_hb_index`)."""
-    q = tl.arange(0, SPLITP)[:, None]
-    ch = c * 16 + tl.arange(0, 16)[None, :]
-    at = part_ptr + (j * SPLIT + q) * 2 * I + ch
-    ok = q < SPLIT
-    gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-    us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-    if HAS_LIMIT:
-        gs = tl.minimum(gs, limit)
-        us = tl.minimum(tl.maximum(us, -limit), limit)
-    h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
-    hi = h.to(tl.bfloat16)
-    lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-    at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
-    tl.store(at, hi)
-    tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
-
-
-@triton.jit
 def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT: tl.constexpr,
                     SPLIT: tl.constexpr, SPLITP: tl.constexpr):
-    """The last K part of pair j's tile c to arrive makes its h (`_gate_up_h`)."""
+    """The last K part of pair j's tile c to arrive adds the SPLIT partials (a fixed tree), applies the clamped
+    SwiGLU and writes h x 2^64 split hi + lo in bf16 where down's lanes read it (`_hb_index`)."""
     lock_at = lock_ptr + j * n_ct + c
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
-        _gate_up_h(part_ptr, hb_ptr, j, c, I, limit, HAS_LIMIT, SPLIT, SPLITP)
+        q = tl.arange(0, SPLITP)[:, None]
+        ch = c * 16 + tl.arange(0, 16)[None, :]
+        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
+        ok = q < SPLIT
+        gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if HAS_LIMIT:
+            gs = tl.minimum(gs, limit)
+            us = tl.minimum(tl.maximum(us, -limit), limit)
+        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+        hi = h.to(tl.bfloat16)
+        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+        tl.store(at, hi)
+        tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
         tl.atomic_xchg(lock_at, 0)
 
 
@@ -341,49 +335,36 @@ def _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, ok, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, j, r, D, TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr,
-              SUM: tl.constexpr, HAS_ADD: tl.constexpr):
-    """Row tile r once its partials are in, by fixed trees: SUM: out[t, rows] = sum_j wt[j] sum_sk part (+ add[t])
-    over the TOPK pairs of token t = j // TOPK, else out[j, rows] = wt[j] sum_sk part."""
+def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT: tl.constexpr,
+                 TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
+    """The last arrival at pair j's row tile r adds the partials by fixed trees: SUM: out[t, rows] = sum_j wt[j]
+    sum_sk part (+ add[t]) over the TOPK pairs of token t = j // TOPK, else out[j, rows] = wt[j] sum_sk part."""
     rows = r * 16 + tl.arange(0, 16)
     if SUM:
         tok = j // TOPK
-        slot = tl.arange(0, TOPKP)
-        jj = tok * TOPK + slot[:, None, None]
-        ss = tl.arange(0, SPLIT)[None, :, None]
-        ok = slot[:, None, None] < TOPK
-        parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
-                        cache_modifier=".cg")
-        wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
-        tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
-        out_at = tok.to(tl.int64) * D + rows
-        if HAS_ADD:
-            tot += tl.load(add_ptr + out_at).to(tl.float32)
-        tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
+        lock_at = lock_ptr + tok * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == TOPK * SPLIT - 1:
+            slot = tl.arange(0, TOPKP)
+            jj = tok * TOPK + slot[:, None, None]
+            ss = tl.arange(0, SPLIT)[None, :, None]
+            ok = slot[:, None, None] < TOPK
+            parts = tl.load(part_ptr + (jj * SPLIT + ss) * D + rows[None, None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
+            wts = tl.load(wt_ptr + tok * TOPK + slot, mask=slot < TOPK, other=0.0).to(tl.float32)
+            tot = tl.sum(tl.sum(parts, axis=1) * wts[:, None], axis=0)
+            out_at = tok.to(tl.int64) * D + rows
+            if HAS_ADD:
+                tot += tl.load(add_ptr + out_at).to(tl.float32)
+            tl.store(out_ptr + out_at, tot.to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(lock_at, 0)
     else:
-        ss = tl.arange(0, SPLIT)[:, None]
-        parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
-        tl.store(out_ptr + j * D + rows, tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32))
-
-
-@triton.jit
-def _down_lock(j, TOPK, SPLIT: tl.constexpr, SUM: tl.constexpr):
-    """(lock index before the row tile, arrivals it counts): token j // TOPK's (TOPK x SPLIT) or pair j's (SPLIT)."""
-    if SUM:
-        return j // TOPK, TOPK * SPLIT
-    else:
-        return j, SPLIT
-
-
-@triton.jit
-def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT: tl.constexpr,
-                 TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr):
-    """The last arrival at pair j's row tile r (or, SUM, at its token's) writes it (`_down_out`)."""
-    at, n = _down_lock(j, TOPK, SPLIT, SUM)
-    lock_at = lock_ptr + at * n_rt + r
-    if tl.atomic_add(lock_at, 1, sem="acq_rel") == n - 1:
-        _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, j, r, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
-        tl.atomic_xchg(lock_at, 0)
+        lock_at = lock_ptr + j * n_rt + r
+        if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
+            ss = tl.arange(0, SPLIT)[:, None]
+            parts = tl.load(part_ptr + (j * SPLIT + ss) * D + rows[None, :], cache_modifier=".cg")
+            tot = tl.sum(parts, axis=0) * tl.load(wt_ptr + j).to(tl.float32)
+            tl.store(out_ptr + j * D + rows, tot)
+            tl.atomic_xchg(lock_at, 0)
 
 
 @triton.jit
@@ -465,170 +446,6 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
             _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j2, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM,
                          HAS_ADD)
 
-
-
-# Expert rows: up to 4 pairs of one expert a program row (`moe_pair_rows_kernel` with W = 4), one decode of each weight
-# tile for all of them. B's columns are the row's 4 pairs (column 2u: pair u's hi part, 2u + 1: its lo part, zero for
-# bf16 x), so every lane takes every group: each group's two mma steps start from a zero accumulator and the lane
-# scales its rows' sums by the group's scales before adding them to its pair's (pair t's) running sums, one per group.
-# The lane's accumulator columns are then pair t's finished rows g and g + 8: no lane sums, and the groups are added
-# last in the order `_quad_sum` adds them, so each pair's sums are those of one pair a row, bit for bit.
-
-
-@triton.jit
-def _rows_load(wp, sp, n):
-    """Tile n's 8 words for the lane (as `_mma_tile_load`) and its 8 scale bytes (sp: the tile's scales of rows g
-    and g + 8, groups 0-3, one 8-byte load)."""
-    w0, w1, w2, w3 = _ld16(wp + n * 256)
-    w4, w5, w6, w7 = _ld16(wp + n * 256 + 128)
-    return w0, w1, w2, w3, w4, w5, w6, w7, tl.load((sp + n * 64).to(tl.pointer_type(tl.uint64), bitcast=True))
-
-
-@triton.jit
-def _rows_group(wa, wb, b0, b1, b2, b3, sv, top, bot, Q: tl.constexpr):
-    """Group Q's two mma steps (words wa, wb; B registers b*) from zero, times 2^62 and the rows' group scales,
-    added to the running sums of rows g (top) and g + 8 (bot) of the lane's pair."""
-    z = tl.zeros_like(top)
-    a0, a1, a2, a3 = _a_regs(wa)
-    c0, c1, c2, c3 = _mma_bf16(a0, a1, a2, a3, b0, b1, z, z, z, z)
-    a0, a1, a2, a3 = _a_regs(wb)
-    c0, c1, c2, c3 = _mma_bf16(a0, a1, a2, a3, b2, b3, c0, c1, c2, c3)
-    return top + _mma_apply(c0, c1, (sv >> (16 * Q)) & 0xFF), bot + _mma_apply(c2, c3, (sv >> (16 * Q + 8)) & 0xFF)
-
-
-@triton.jit
-def _rows_tile(w, b, acc):
-    """One tile (w: 8 words + scales) against b (4 B registers a group) into acc (top and bottom sums per group)."""
-    t0, b0 = _rows_group(w[0], w[1], b[0], b[1], b[2], b[3], w[8], acc[0], acc[1], 0)
-    t1, b1 = _rows_group(w[2], w[3], b[4], b[5], b[6], b[7], w[8], acc[2], acc[3], 1)
-    t2, b2 = _rows_group(w[4], w[5], b[8], b[9], b[10], b[11], w[8], acc[4], acc[5], 2)
-    t3, b3 = _rows_group(w[6], w[7], b[12], b[13], b[14], b[15], w[8], acc[6], acc[7], 3)
-    return t0, b0, t1, b1, t2, b2, t3, b3
-
-
-@triton.jit
-def _rows_sum(acc):
-    """(rows g, g + 8) of the lane's pair: the groups added as `_quad_sum` adds the lanes of one pair a row."""
-    return (acc[0] + acc[2]) + (acc[4] + acc[6]), (acc[1] + acc[3]) + (acc[5] + acc[7])
-
-
-@triton.jit
-def _rows_x(xi, part):
-    """The lane's 16 B registers of a tile of x (4 a group; lo-part lanes zero)."""
-    return _mma_x(xi, part) + _mma_x(xi + 32, part) + _mma_x(xi + 64, part) + _mma_x(xi + 96, part)
-
-
-@triton.jit
-def _rows_zero():
-    z = tl.zeros((32,), dtype=tl.float32)
-    return z, z, z, z, z, z, z, z
-
-
-@triton.jit
-def _rows_program(rows_ptr, K, SPLIT: tl.constexpr):
-    """(row-tile program, table row, its first pair, K part, row-tile programs, K tiles of a row tile, of a part)."""
-    row = tl.program_id(1)
-    ktt = K // 128
-    return tl.program_id(0), row, tl.load(rows_ptr + 4 * row), tl.program_id(2), tl.num_programs(0), ktt, ktt // SPLIT
-
-
-@triton.jit
-def moe_mma_rows_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
-                                HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                                PDL: tl.constexpr = False, X_AHEAD: tl.constexpr = False):
-    """`moe_mma_gate_up_kernel` over expert rows: (16-channel tile c, row of up to 4 pairs of one expert, K part sk);
-    the same partials, the same finish per pair."""
-    if PDL:
-        gdc_launch_dependents()
-    c, row, j0, sk, n_ct, ktt, kt = _rows_program(rows_ptr, D, SPLIT)
-    if j0 < 0:  # an empty row of the table
-        return
-    e = tl.load(e_ptr + j0).to(tl.int64)
-    lane, g, t, gg, part = _lane_roles()
-    jb = tl.load(rows_ptr + 4 * row + gg)  # B column g's pair (slot g // 2); none: any valid x, its column unused
-    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt
-    wg = w_ptr + (tile0 * 256 + lane * 4)
-    wu = wg + ktt * 256
-    sg = s_ptr + (tile0 * 64 + g * 8)
-    su = sg + ktt * 64
-    xp = x_ptr + ((tl.where(jb < 0, j0, jb) // TOPK).to(tl.int64) * D + sk * kt * 128 + 2 * t)
-    a = _rows_load(wg, sg, 0)
-    b = _rows_load(wu, su, 0)
-    ga = _rows_zero()
-    ua = _rows_zero()
-    xn = _rows_x(xp, part)
-    for i in range(kt):
-        wa = a
-        wb = b
-        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        a = _rows_load(wg, sg, n)
-        b = _rows_load(wu, su, n)
-        if X_AHEAD:
-            xs = xn
-            xn = _rows_x(xp + n * 128, part)
-        else:
-            xs = _rows_x(xp + i * 128, part)
-        ga = _rows_tile(wa, xs, ga)
-        ua = _rows_tile(wb, xs, ua)
-    gt, gb = _rows_sum(ga)
-    ut, ub = _rows_sum(ua)
-    jt = tl.load(rows_ptr + 4 * row + t)  # the pair of this lane's accumulator columns
-    pp = part_ptr + (jt * SPLIT + sk) * 2 * I + c * 16 + g
-    ok = jt >= 0
-    tl.store(pp, gt, mask=ok)
-    tl.store(pp + 8, gb, mask=ok)
-    tl.store(pp + I, ut, mask=ok)
-    tl.store(pp + I + 8, ub, mask=ok)
-    tl.debug_barrier()
-    lock_at = lock_ptr + row * n_ct + c  # one count a row: its pairs' partials arrive together
-    if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
-        for u in tl.static_range(4):
-            ju = tl.load(rows_ptr + 4 * row + u)
-            if ju >= 0:
-                _gate_up_h(part_ptr, hb_ptr, ju, c, I, limit, HAS_LIMIT, SPLIT, SPLITP)
-        tl.atomic_xchg(lock_at, 0)
-
-
-@triton.jit
-def moe_mma_rows_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D,
-                             I, TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr,
-                             HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
-    """`moe_mma_down_kernel` over expert rows: (16-row tile r of D, row of up to 4 pairs of one expert, K part sk),
-    B column g the hi or lo part of pair g // 2's h; the same partials, `_down_finish` per pair. PDL as there."""
-    r, row, j0, sk, n_rt, ktt, kt = _rows_program(rows_ptr, I, SPLIT)
-    if j0 < 0:  # an empty row of the table
-        return
-    e = tl.load(e_ptr + j0).to(tl.int64)
-    lane, g, t, gg, part = _lane_roles()
-    jb = tl.load(rows_ptr + 4 * row + gg)
-    tile0 = (e * n_rt + r) * ktt + sk * kt
-    wp = w_ptr + (tile0 * 256 + lane * 4)
-    sp = s_ptr + (tile0 * 64 + g * 8)
-    hp = hb_ptr + (tl.where(jb < 0, j0, jb) * 2 * I + sk * kt * 256 + (4 * part + t) * 8)  # `_hb_index`: + 64 q
-    a = _rows_load(wp, sp, 0)
-    if PDL:
-        gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-    acc = _rows_zero()
-    for i in range(kt):
-        w = a
-        a = _rows_load(wp, sp, tl.minimum(i + 1, kt - 1))  # the last step reloads its own tile (unused)
-        hi = hp + i * 256
-        acc = _rows_tile(w, _mma_h(hi) + _mma_h(hi + 64) + _mma_h(hi + 128) + _mma_h(hi + 192), acc)
-    top, bot = _rows_sum(acc)
-    jt = tl.load(rows_ptr + 4 * row + t)
-    pp = part_ptr + (jt * SPLIT + sk) * D + r * 16 + g
-    tl.store(pp, top, mask=jt >= 0)
-    tl.store(pp + 8, bot, mask=jt >= 0)
-    tl.debug_barrier()
-    slot = tl.arange(0, 4)  # the pairs' counts in one vector atomic (their tokens differ: one expert a row)
-    js = tl.load(rows_ptr + 4 * row + slot)
-    at, n = _down_lock(js, TOPK, SPLIT, SUM)
-    last = tl.atomic_add(lock_ptr + at * n_rt + r, 1, mask=js >= 0, sem="acq_rel") == n - 1
-    for u in tl.static_range(4):
-        if tl.sum(tl.where((slot == u) & last & (js >= 0), 1, 0)) > 0:
-            ju = tl.load(rows_ptr + 4 * row + u)
-            _down_out(part_ptr, wt_ptr, out_ptr, add_ptr, ju, r, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
-            tl.atomic_xchg(lock_ptr + _down_lock(ju, TOPK, SPLIT, SUM)[0] * n_rt + r, 0)
 
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
 # own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale

@@ -369,16 +369,16 @@ def swiglu_kernel(g_ptr, u_ptr, y_ptr, I, limit, stride_g, stride_u, stride_y,
 
 
 @triton.jit
-def moe_pair_rows_kernel(e_ptr, rows_ptr, P, PP: tl.constexpr, CHUNK: tl.constexpr, W: tl.constexpr = 2):
-    """The few-token tensor-core MoE's pairs W to a program row, so one decode of an expert's weights serves W
-    tokens: pair j (flat token x k + slot, expert e_ptr[j]) goes to row (pairs of a smaller expert id) + rank // W,
-    column rank % W, where rank counts the earlier pairs of its expert. rows [P, W] int32, -1 where no pair (the
+def moe_pair_rows_kernel(e_ptr, rows_ptr, P, PP: tl.constexpr, CHUNK: tl.constexpr):
+    """The few-token tensor-core MoE's pairs two to a program row, so one decode of an expert's weights serves two
+    tokens: pair j (flat token x k + slot, expert e_ptr[j]) goes to row (pairs of a smaller expert id) + rank // 2,
+    column rank % 2, where rank counts the earlier pairs of its expert. rows [P, 2] int32, -1 where no pair (the
     rows after an expert's last are empty). One program, P <= PP; integer counts only, so the table is the same on
     every run."""
     j = tl.arange(0, PP)
     live = j < P
-    for w in tl.static_range(W):
-        tl.store(rows_ptr + W * j + w, -1, mask=live)
+    tl.store(rows_ptr + 2 * j, -1, mask=live)
+    tl.store(rows_ptr + 2 * j + 1, -1, mask=live)
     ej = tl.load(e_ptr + j, mask=live, other=0)
     below = tl.zeros((PP,), dtype=tl.int32)
     rank = below
@@ -389,4 +389,4 @@ def moe_pair_rows_kernel(e_ptr, rows_ptr, P, PP: tl.constexpr, CHUNK: tl.constex
         below += tl.sum((ok & (ee[None, :] < ej[:, None])).to(tl.int32), axis=1)
         rank += tl.sum((ok & (ee[None, :] == ej[:, None]) & (jj[None, :] < j[:, None])).to(tl.int32), axis=1)
     tl.debug_barrier()  # the -1 fills above are done before any pair lands
-    tl.store(rows_ptr + W * (below + rank // W) + rank % W, j, mask=live)
+    tl.store(rows_ptr + 2 * (below + rank // 2) + rank % 2, j, mask=live)

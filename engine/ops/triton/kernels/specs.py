@@ -14,13 +14,7 @@ from .base import PDL_AVAILABLE
 from .dense import dense_gemv_kernel, dense_mma_kernel
 from .fp8 import fp8_stream_kernel, matmul_kernel
 from .mhc import hc_mix_dot_kernel, hc_mix_partial_kernel, hc_post_kernel, hc_pre_kernel
-from .mma import (
-    fp8_mma_kernel,
-    moe_mma_down_kernel,
-    moe_mma_gate_up_kernel,
-    moe_mma_rows_down_kernel,
-    moe_mma_rows_gate_up_kernel,
-)
+from .mma import fp8_mma_kernel, moe_mma_down_kernel, moe_mma_gate_up_kernel
 from .moe import moe_down_kernel, moe_gate_up_kernel, moe_pair_rows_kernel, moe_sum_kernel, swiglu_kernel
 from .norm_rope import rms_norm_kernel, rope_cos_sin_kernel, rope_kernel
 from .topk import route_kernel, topk_kernel, topk_sort_kernel
@@ -256,10 +250,6 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down_two", moe_mma_down_kernel,
      _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
-    ("moe_mma_rows_gate_up", moe_mma_rows_gate_up_kernel,  # up to 4 pairs of one expert a program row
-     _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=4, SPLITP=4, PDL=PDL_AVAILABLE), 1, True),
-    ("moe_mma_rows_down", moe_mma_rows_down_kernel,
-     _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
