@@ -321,11 +321,9 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         nbytes = n_unique * per_expert + act
         best = None
         timed = []
-        untimed = []
         for cfg in configs:
             if cfg.get("TWO_MIN_T", 0) > 64 and t < saved["MOE_MMA"]["TWO_MIN_T"]:
-                untimed.append(cfg)  # below TWO_MIN_T the default is one pair a row too: timed once, kept for later T
-                continue
+                continue  # below TWO_MIN_T the default is one pair a row too: timed once
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
 
@@ -355,9 +353,10 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
               flush=True)
         # the 3 fastest forms of each kind go on to larger T
         ranked = [c for _, c in sorted(timed, key=lambda p: p[0])]
+        one_pair = [c for c in configs if c.get("TWO_MIN_T", 0) > 64]  # goes on at every T, beside the default
         configs = ([c for c in ranked if c.get("MMA")][:3] + [c for c in ranked if c.get("DOT")][:3]
                    + [c for c in ranked if c.get("STREAM")][:3])
-        configs += [c for c in untimed + [c for c in ranked if c.get("TWO_MIN_T", 0) > 64] if c not in configs]
+        configs += [c for c in one_pair if c not in configs]
     for name, table in saved.items():  # the defaults again for the benchmarks after this one
         getattr(tri, name).update(table)
     results["mxfp4_gemv_m1_frac"] = results["mxfp4_moe"]["M1"]["frac"]

@@ -112,6 +112,12 @@ def _mma_tile_cols(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s
 
 
 @triton.jit
+def _add4(a, b, c, d, p, q, r, s):
+    """Two pairs' (top, bottom) running sums plus one tile's."""
+    return a + p, b + q, c + r, d + s
+
+
+@triton.jit
 def _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, s0, s1):
     """One tile's contribution to rows g and g + 8, group scales applied (column 2t + 1 is x's lo part)."""
     c0, c1, c2, c3 = _mma_acc(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg)
@@ -299,16 +305,10 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
         b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
         x0, x1, x2, x3 = _mma_x(xp + n * 128, part, not TWO)
         if TWO:
-            top, bot, top2, bot2 = _mma_tile_cols(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
-            gt += top
-            gb += bot
-            gt2 += top2
-            gb2 += bot2
-            top, bot, top2, bot2 = _mma_tile_cols(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
-            ut += top
-            ub += bot
-            ut2 += top2
-            ub2 += bot2
+            gt, gb, gt2, gb2 = _add4(gt, gb, gt2, gb2, *_mma_tile_cols(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2,
+                                                                       y3, gg, cg0, cg1))
+            ut, ub, ut2, ub2 = _add4(ut, ub, ut2, ub2, *_mma_tile_cols(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2,
+                                                                       y3, gg, cu0, cu1))
         else:
             top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
             gt += top
@@ -419,16 +419,10 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
         if TWO:
             z0, z1, z2, z3 = _mma_h(xq + n * 256)
             z4, z5, z6, z7 = _mma_h(xq + n * 256 + 256)
-            p, q, p2, q2 = _mma_tile2(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, u0, u1, u2, u3, gg, ca0, ca1)
-            top += p
-            bot += q
-            top2 += p2
-            bot2 += q2
-            p, q, p2, q2 = _mma_tile2(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, u4, u5, u6, u7, gg, cb0, cb1)
-            top += p
-            bot += q
-            top2 += p2
-            bot2 += q2
+            top, bot, top2, bot2 = _add4(top, bot, top2, bot2, *_mma_tile2(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1,
+                                                                           y2, y3, u0, u1, u2, u3, gg, ca0, ca1))
+            top, bot, top2, bot2 = _add4(top, bot, top2, bot2, *_mma_tile2(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5,
+                                                                           y6, y7, u4, u5, u6, u7, gg, cb0, cb1))
         else:
             p, q = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, ca0, ca1)
             top += p
