@@ -35,6 +35,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     src = _existing_dir(args.hf, "--hf")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise _Fail(f"--out {out} is a file; choose a new folder")
     if out.exists() and any(out.iterdir()):
         raise _Fail(f"--out {out} exists and is not empty; choose a new folder")
     cdna2_engine.convert_hf_checkpoint(str(src), str(out))
@@ -51,6 +53,13 @@ def _steps(text: str) -> list[int]:
     if min(steps) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a count N or counts N,N,... (one per prompt)")
     return steps
+
+
+def _count(text: str) -> int:
+    """A count >= 0 (argparse prints the ArgumentTypeError as a usage error)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count >= 0")
+    return int(text)
 
 
 def cmd_goldens_build(args: argparse.Namespace) -> int:
@@ -136,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy steps per prompt (default 32); a list gives the first prompts theirs, the last repeats")
     b.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="reference dtype")
     b.add_argument("--backend", default="reference", choices=("reference", "triton"), help=argparse.SUPPRESS)
-    b.add_argument("--tap-prompts", type=int, metavar="K",
+    b.add_argument("--tap-prompts", type=_count, metavar="K",
                    help="record per-layer taps for the first K prompts only (default all; taps are the bulk)")
     b.add_argument("--regen", action="store_true", help="replace an existing store at --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -159,8 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Fail as e:
         print(f"cdna2: error: {e}", file=sys.stderr)
         return e.code
-    except (goldens.GoldenError, ValueError, FileNotFoundError, LookupError) as e:  # LookupError: --engine
+    except (goldens.GoldenError, ValueError, LookupError) as e:  # LookupError: --engine
         print(f"cdna2: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that is a file, a folder that cannot be made: one line naming it
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"cdna2: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

@@ -82,6 +82,17 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
         obj = getattr(obj, part, None)
     if not callable(obj):
         raise LookupError(f"--cdna2-engine={spec}: {module!r} has no callable {attr!r}")
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return obj
+    try:
+        sig.bind("MODEL_DIR", device="cpu", backend="reference")
+    except TypeError:
+        raise LookupError(f"--cdna2-engine={spec}: {attr}{sig} cannot be called as factory(path, device=..., "
+                          f"backend=...[, dtype=...])") from None
     return obj
 
 

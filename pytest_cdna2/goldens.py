@@ -46,6 +46,8 @@ __all__ = [
     "GoldenSelection",
     "GoldenStore",
     "GoldenWriter",
+    "BUNDLED_GOLDENS",
+    "greedy_mismatch",
     "sha256_file",
     "encode_prompt",
     "decode_tokens",
@@ -55,6 +57,8 @@ __all__ = [
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+# The store shipped with the package (the bundled tiny model's): never rewritten in place, by pytest or the CLI.
+BUNDLED_GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4" / "goldens"
 _BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
 
 
@@ -211,6 +215,7 @@ class GoldenStore:
             )
         store = cls(path, manifest)
         store.verify()
+        store.check_contents()
         return store
 
     def verify(self) -> None:
@@ -225,6 +230,45 @@ class GoldenStore:
                     f"golden file {f}: sha256 {got} does not match {MANIFEST}'s {want}; the file was changed "
                     f"or corrupted: restore it, or {_BUILD_HINT}"
                 )
+
+    def check_contents(self) -> None:
+        """Every prompt's teacher and greedy tensors are there, shaped, finite, in the vocabulary and consistent
+        with each other (the teacher input is the prompt then the greedy continuation, and the greedy logits are
+        the teacher logits at those positions): a store whose files match their hashes but not each other is one
+        GoldenError at open, not a traceback in every test or a failure blamed on the engine."""
+        mpath = self.path / MANIFEST
+        names = [p["name"] for p in self.manifest["prompts"]]
+        if not names:
+            raise GoldenError(f"{mpath}: no prompts, so the token tier would check nothing; {_BUILD_HINT}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise GoldenError(f"{mpath}: prompt names repeat ({', '.join(dup)}); {_BUILD_HINT}")
+        steps = self.manifest.get("steps", 0)
+        per_prompt = steps if isinstance(steps, list) else [steps] * len(names)
+        vocab = self.manifest.get("vocab_size")
+        for i, p in enumerate(self.manifest["prompts"]):
+            name, prompt = p["name"], p["tokens"]
+            ids, logits = self.input_ids(name), self.teacher_logits(name)
+            toks, glog = self.greedy_tokens(name), self.greedy_logits(name)
+            v = vocab or logits.shape[-1]
+            want_steps = per_prompt[i] if i < len(per_prompt) else None
+            if any(t.dtype != torch.int64 or t.dim() != 1 for t in (ids, toks)):
+                problem = "token ids must be 1-D int64"
+            elif any(t.numel() and (t.min() < 0 or t.max() >= v) for t in (ids, toks)):
+                problem = f"a token id outside the vocabulary 0..{v - 1}"
+            elif want_steps is not None and toks.numel() != want_steps:
+                problem = f"{toks.numel()} greedy tokens, the manifest says {want_steps} steps"
+            elif ids[: len(prompt)].tolist() != prompt or not torch.equal(ids[len(prompt):], toks[:-1]):
+                problem = "the teacher input is not the prompt followed by the greedy continuation"
+            elif tuple(logits.shape) != (ids.numel(), v) or tuple(glog.shape) != (toks.numel(), v):
+                problem = (f"logits of shape {tuple(logits.shape)} and {tuple(glog.shape)}, expected "
+                           f"{(ids.numel(), v)} and {(toks.numel(), v)}")
+            elif not (logits.is_floating_point() and torch.isfinite(logits).all() and torch.isfinite(glog).all()):
+                problem = "non-finite or non-float logits"
+            else:
+                problem = greedy_mismatch(logits[len(prompt) - 1:], glog, str(self.manifest.get("dtype")))
+            if problem:
+                raise GoldenError(f"{self.path}: prompt {name}: {problem}; {_BUILD_HINT}")
 
     # -- manifest views -------------------------------------------------------------------------------------
     @property
@@ -326,6 +370,31 @@ class GoldenStore:
         return dict(sorted(out.items()))
 
 
+# A prompt's greedy logits (the engine's incremental decode) against its teacher-forced logits at the same
+# positions (one prefill over prompt + continuation). float64 goldens: they agree to 2.7e-14 of the logits' scale
+# (the bundled store, 2026-12-03), so 1e-9 flags a decode that disagrees with its prefill (the bundled goldens of
+# 2026-12-02, d5b8e20, differed by up to 3.6 on 6 of 16 prompts). Other dtypes: the bundled tolerance profile's
+# prefill-vs-incremental-decode limit for that dtype (tolerance_default.toml / tolerance_bf16.toml).
+GREEDY_VS_TEACHER_RTOL_FLOAT64 = 1e-9
+
+
+def greedy_mismatch(teacher: torch.Tensor, greedy: torch.Tensor, dtype: str) -> str | None:
+    """Why greedy logits [S, V] do not match the teacher-forced logits [S, V] at their positions, or None."""
+    diff = (teacher.double() - greedy.double()).abs().max(dim=-1).values
+    if dtype.removeprefix("torch.") == "float64":
+        limit = GREEDY_VS_TEACHER_RTOL_FLOAT64 * max(1.0, teacher.abs().max().item())
+    else:
+        from pytest_cdna2.tolerance import load_profile
+
+        limit = load_profile(dtype=dtype.removeprefix("torch.")).determinism.incremental_max_abs
+    bad = (diff > limit).nonzero()
+    if not len(bad):
+        return None
+    step = int(bad[0])
+    return (f"greedy logits differ from the teacher-forced logits by {diff[step].item():.3g} at step {step} "
+            f"(limit {limit:.3g}): the engine's incremental decode disagrees with its own prefill")
+
+
 def _check_layout(manifest: dict, mpath: Path) -> None:
     """The manifest's shape, checked once at open so a hand-edited or foreign one is one GoldenError, not a
     KeyError deep in a test: files {name: sha256} (at least one), prompts [{name, tokens: [int, ...]}], steps."""
@@ -382,9 +451,29 @@ class GoldenWriter:
                 f"{self.out} is not empty and has no {MANIFEST}, so it is not a golden store; refusing to "
                 f"replace it: pass a new or empty folder"
             )
+        if regen and self.out.resolve() == BUNDLED_GOLDENS:
+            raise GoldenError(
+                f"{self.out} is the golden store bundled with pytest-cdna2; refusing to rewrite it: build into "
+                f"another folder and pass it with --cdna2-goldens"
+            )
+        if regen and self.out.is_dir() and any(self.out.iterdir()):
+            extra = sorted(f.name for f in self.out.iterdir() if f.name not in self._listed())
+            if extra:
+                raise GoldenError(
+                    f"{self.out} holds files its {MANIFEST} does not list ({', '.join(extra)}); regen replaces "
+                    f"the whole folder, so move them out first"
+                )
         self.manifest: dict[str, Any] = {"format": FORMAT}
         self._files: dict[str, str] = {}
         self._tmp: Path | None = None
+
+    def _listed(self) -> set[str]:
+        """The files of the store at out (its manifest and the files the manifest lists)."""
+        try:
+            files = json.loads((self.out / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            files = {}
+        return {MANIFEST, *(files if isinstance(files, dict) else {})}
 
     def __enter__(self) -> GoldenWriter:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -525,6 +614,10 @@ def build_goldens(
             seq = torch.cat([ids, toks[:-1]])
             tapped = tap_names if tap_prompts is None or i < tap_prompts else ()
             tr = model.trace(seq[None].to(device), taps=tapped)
+            problem = greedy_mismatch(tr.logits[0][len(ids) - 1:].cpu(), gen.logits[0].cpu(),
+                                      str(getattr(model, "dtype", dtype)))
+            if problem:  # nothing is written: the goldens would contradict themselves
+                raise GoldenError(f"prompt {name}: {problem}; fix the engine before building goldens from it")
             teacher[f"{name}.input_ids"] = seq
             teacher[f"{name}.logits"] = tr.logits[0]
             greedy[f"{name}.tokens"] = toks

@@ -30,6 +30,7 @@ from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by b
     cdna2_settings,
     cdna2_tolerance,
 )
+from pytest_cdna2.goldens import BUNDLED_GOLDENS
 from pytest_cdna2.report import TIERS, PerfGate, TierTally
 from pytest_cdna2.tolerance import ToleranceError, load_profile
 
@@ -37,7 +38,7 @@ __all__ = ["BUNDLED", "DEFAULT_MODEL", "DEFAULT_GOLDENS", "MARKERS", "TIERS", "r
 
 BUNDLED = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 DEFAULT_MODEL = BUNDLED / "model"
-DEFAULT_GOLDENS = BUNDLED / "goldens"
+DEFAULT_GOLDENS = BUNDLED_GOLDENS
 BACKENDS = ("reference", "triton")
 DTYPES = ("float32", "bfloat16", "float64")
 MARKERS = {
@@ -129,6 +130,11 @@ def resolve_settings(config: pytest.Config) -> Settings:
             "--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite (the bundled goldens are "
             "part of the package; rebuild them with `cdna2 goldens build --out DIR`)"
         )
+    if regen and goldens == DEFAULT_GOLDENS:
+        raise pytest.UsageError(
+            f"--cdna2-regen-goldens: {goldens} is the golden store bundled with the package; refusing to rewrite "
+            "it: name another folder with --cdna2-goldens"
+        )
     if regen and (config.getoption("numprocesses", None) or hasattr(config, "workerinput")):
         raise pytest.UsageError("--cdna2-regen-goldens cannot run under xdist (-n): run it in one process")
 
@@ -199,14 +205,17 @@ class _Recorder:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if REGENERATED in session.config.stash and session.exitstatus == pytest.ExitCode.OK:
+    """A run that regenerated goldens fails, and so does one asked to that selected no test reading them."""
+    asked = session.config.stash[SETTINGS].regen if SETTINGS in session.config.stash else False
+    if (asked or REGENERATED in session.config.stash) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     lines = config.stash[_TALLY].lines()
     regenerated = config.stash.get(REGENERATED, None)
-    if not lines and not regenerated:
+    unused = config.stash[SETTINGS].regen and not regenerated
+    if not lines and not regenerated and not unused:
         return
     terminalreporter.section("cdna2 summary")
     for line in lines:
@@ -214,6 +223,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     if regenerated:
         terminalreporter.write_line(
             f"goldens were rewritten at {regenerated}: the run fails; rerun without --cdna2-regen-goldens",
+            red=True,
+        )
+    elif unused:
+        terminalreporter.write_line(
+            "--cdna2-regen-goldens rewrote nothing: no selected test reads the goldens (select the token tier, "
+            "-m token); the run fails",
             red=True,
         )
 

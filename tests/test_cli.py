@@ -33,7 +33,8 @@ def test_info_lists_devices(capsys):
 
 
 @pytest.mark.parametrize("argv", [[], ["goldens"], ["goldens", "build", "--model", "m"], ["convert", "--hf", "x"],
-                                  ["goldens", "build", "--model", "m", "--out", "o", "--steps", "many"]])
+                                  ["goldens", "build", "--model", "m", "--out", "o", "--steps", "many"],
+                                  ["goldens", "build", "--model", "m", "--out", "o", "--tap-prompts", "-1"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as ei:
         main(argv)
@@ -90,6 +91,15 @@ def test_bad_input_exits_2_with_one_line(fake_engine, tmp_path, capsys):
     assert "does not exist" in _err(capsys)
     assert main(["convert", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "--hf" in _err(capsys)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    (tmp_path / "hf").mkdir()
+    assert main(["convert", "--hf", str(tmp_path / "hf"), "--out", str(a_file)]) == 2
+    assert f"--out {a_file} is a file" in _err(capsys)
+    argv = ["goldens", "build", "--model", str(fake_engine), "--out", str(a_file / "sub"), "--quiet"]
+    assert main(argv) == 2  # the folder cannot be made: an OSError named in one line, not a traceback
+    assert str(a_file) in _err(capsys)
+    assert a_file.read_text() == ""
 
 
 def test_convert_calls_the_engine(monkeypatch, tmp_path, capsys):

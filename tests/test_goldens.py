@@ -21,10 +21,25 @@ from pytest_cdna2.goldens import (
 SHA_A, SHA_B = "a" * 64, "b" * 64
 
 
-def _write(out, regen=False, value=1.0, model_sha=SHA_A):
+def _write(out, regen=False, value=1.0, model_sha=SHA_A, **edit):
+    """A complete one-prompt store: prompt [0, 1, 2], one greedy step (token 3), vocabulary 4; the greedy logits
+    are the teacher's at the last prompt position. `edit` replaces tensors ("teacher.KEY" / "greedy.KEY") or
+    manifest fields."""
+    logits = torch.full((3, 4), value)
+    files = {"teacher": {"p00.logits": logits, "p00.input_ids": torch.arange(3)},
+             "greedy": {"p00.tokens": torch.tensor([3]), "p00.logits": logits[2:].clone()}}
+    manifest = {"model_sha256": model_sha, "prompts": [{"name": "p00", "tokens": [0, 1, 2]}], "steps": 1,
+                "dtype": "float64", "vocab_size": 4}
+    for key, v in edit.items():
+        file, _, name = key.partition(".")
+        if file in files and name:
+            files[file]["p00." + name] = v
+        else:
+            manifest[key] = v
     with GoldenWriter(out, regen=regen) as w:
-        w.write("teacher.safetensors", {"p00.logits": torch.full((3, 4), value), "p00.input_ids": torch.arange(3)})
-        w.manifest.update(model_sha256=model_sha, prompts=[{"name": "p00", "tokens": [0, 1, 2]}], steps=1)
+        for file, tensors in files.items():
+            w.write(f"{file}.safetensors", tensors)
+        w.manifest.update(manifest)
     return out
 
 
@@ -35,9 +50,11 @@ def _siblings(folder):
 def test_write_then_open_lazily(tmp_path):
     out = _write(tmp_path / "g")
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["files"] == {"teacher.safetensors": sha256_file(out / "teacher.safetensors")}
+    assert manifest["files"] == {f: sha256_file(out / f) for f in ("greedy.safetensors", "teacher.safetensors")}
     store = GoldenStore.open(out, expected_model_sha256=SHA_A)
-    assert store._cache == {}  # verified at open, tensors not loaded yet
+    assert set(store._cache) == {("teacher.safetensors", "p00.logits"), ("teacher.safetensors", "p00.input_ids"),
+                                 ("greedy.safetensors", "p00.logits"), ("greedy.safetensors", "p00.tokens")}
+    assert not any(f == "taps.safetensors" for f, _ in store._cache)  # the rest loads lazily
     assert torch.equal(store.teacher_logits("p00"), torch.ones(3, 4))
     assert store.prompt("p00").input_ids().tolist() == [[0, 1, 2]]
     assert _siblings(out) == ["g"]  # no temporary folder left behind
@@ -186,11 +203,67 @@ def test_prompts_encoding_and_files(tmp_path):
 
 def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
     """A manifest whose model_sha256 is null cannot be tied to the model under test: one line, the fix."""
-    with GoldenWriter(tmp_path / "g") as w:
-        w.write("teacher.safetensors", {"p00.logits": torch.zeros(2, 3)})
-        w.manifest.update(model_sha256=None, prompts=[])
+    _write(tmp_path / "g", model_sha=None)
     assert json.loads((tmp_path / "g" / "manifest.json").read_text())["model_sha256"] is None
     GoldenStore.open(tmp_path / "g")  # nothing to check against: fine
     with pytest.raises(GoldenError, match="model_sha256 is null") as e:
         GoldenStore.open(tmp_path / "g", expected_model_sha256="ab" * 32)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"prompts": []}, "no prompts, so the token tier would check nothing"),
+    ({"prompts": [{"name": "p00", "tokens": [0, 1, 2]}] * 2}, r"prompt names repeat \(p00\)"),
+    ({"greedy.tokens": torch.tensor([7])}, r"a token id outside the vocabulary 0..3"),
+    ({"teacher.input_ids": torch.arange(3.0)}, "token ids must be 1-D int64"),
+    ({"steps": 2}, "1 greedy tokens, the manifest says 2 steps"),
+    ({"teacher.input_ids": torch.tensor([0, 1, 1])}, "the teacher input is not the prompt followed by the greedy"),
+    ({"teacher.logits": torch.ones(2, 4)}, r"logits of shape \(2, 4\) and \(1, 4\), expected \(3, 4\)"),
+    ({"greedy.logits": torch.tensor([[1.0, float("nan"), 1.0, 1.0]])}, "non-finite or non-float logits"),
+    ({"greedy.logits": torch.tensor([[1.0, 1.0, 1.5, 1.0]])},
+     r"greedy logits differ from the teacher-forced logits by 0.5 at step 0 \(limit 1e-09\): the engine's "
+     "incremental decode disagrees with its own prefill"),
+])
+def test_contents_that_contradict_each_other_are_refused_at_open(tmp_path, edit, message):
+    """Files whose hashes match but whose contents do not (rewritten with their hashes, or built by a broken
+    engine): one GoldenError at open naming the prompt, not a traceback in each test or a failure blamed on the
+    engine under test."""
+    out = _write(tmp_path / "g", **edit)
+    with pytest.raises(GoldenError) as e:
+        GoldenStore.open(out)
+    assert "\n" not in str(e.value)
+    e.match(message)
+    if "prompts" not in edit:
+        e.match("prompt p00: ")
+
+
+def test_greedy_against_teacher_tolerance_follows_the_dtype(tmp_path):
+    """float64 goldens agree to ~3e-14 (the bundled store): 1e-9 of the logits' scale; a float32-built store gets
+    the float32 profile's prefill-vs-decode limit (1e-4)."""
+    off = {"greedy.logits": torch.tensor([[1.0, 1.0, 1.0 + 2**-15, 1.0]])}  # 3.05e-5, exact in float32
+    GoldenStore.open(_write(tmp_path / "a", dtype="float32", **off))
+    with pytest.raises(GoldenError, match="by 3.05e-05 at step 0"):
+        GoldenStore.open(_write(tmp_path / "b", **off))
+
+
+def test_the_bundled_goldens_are_consistent():
+    """The shipped store passes the same checks (its greedy logits were once recorded by a decode that disagreed
+    with its prefill on 6 of 16 prompts, and the suite passed anyway)."""
+    from pytest_cdna2.goldens import BUNDLED_GOLDENS
+
+    store = GoldenStore.open(BUNDLED_GOLDENS)
+    assert len(store.prompts) == 16
+
+
+def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):
+    from pytest_cdna2.goldens import BUNDLED_GOLDENS
+
+    with pytest.raises(GoldenError, match="is the golden store bundled with pytest-cdna2; refusing to rewrite it"):
+        GoldenWriter(BUNDLED_GOLDENS, regen=True)
+    out = _write(tmp_path / "g")
+    (out / "NOTES.txt").write_text("mine")
+    with pytest.raises(GoldenError, match=r"holds files its manifest.json does not list \(NOTES.txt\); regen "
+                                          "replaces the whole folder, so move them out first"):
+        _write(out, regen=True, value=2.0)
+    assert (out / "NOTES.txt").read_text() == "mine"
+    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.ones(3, 4))

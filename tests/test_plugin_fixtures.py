@@ -147,6 +147,11 @@ def test_unimportable_engine_factory(pytester):
     r.stdout.fnmatch_lines(["*cdna2: --cdna2-engine=no_such_module_xyz:make: cannot import 'no_such_module_xyz'*"])
     r = run(pytester, "--cdna2-engine=test_plugin_fake_engine:nope", "--cdna2-model=m")
     r.stdout.fnmatch_lines(["*'test_plugin_fake_engine' has no callable 'nope'*"])
+    r = run(pytester, "--cdna2-engine=os.path:join", "--cdna2-model=m")  # callable, but not a factory
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["cdna2: --cdna2-engine=os.path:join: join(a, *p) cannot be called as factory(path, "
+                            "device=..., backend=...*"])  # (fnmatch reads [...] as a class)
+    assert "Traceback" not in r.stdout.str() and "TypeError" not in r.stdout.str()
 
 
 def test_a_corrupt_checkpoint_for_the_bundled_engine_is_one_line(pytester):

@@ -127,6 +127,20 @@ def test_bad_values_are_usage_errors(pytester, args, ini, message):
     r.stderr.fnmatch_lines([f"ERROR: {message}"])
 
 
-def test_regen_may_target_a_new_goldens_folder(pytester):
+def test_regen_may_target_a_new_goldens_folder_but_a_run_that_rewrote_nothing_fails(pytester):
+    """The option is accepted for a new folder; with no selected test reading the goldens nothing is rewritten,
+    and the run says so and fails (it would otherwise pass as if the goldens were rebuilt)."""
     pytester.makepyfile("def test_x(): pass")
-    run(pytester, "--cdna2-regen-goldens", "--cdna2-goldens=new").assert_outcomes(passed=1)
+    r = run(pytester, "--cdna2-regen-goldens", "--cdna2-goldens=new")
+    r.assert_outcomes(passed=1)
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.stdout.fnmatch_lines(["*--cdna2-regen-goldens rewrote nothing: no selected test reads the goldens*"])
+    assert not (pytester.path / "new").exists()
+
+
+def test_regen_refuses_the_bundled_goldens(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester, "--cdna2-regen-goldens", f"--cdna2-goldens={plugin.DEFAULT_GOLDENS}")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: --cdna2-regen-goldens: * is the golden store bundled with the package; "
+                            "refusing to rewrite it*"])
