@@ -21,7 +21,8 @@ from cdna2_engine.ops import triton as tri  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
+def _poison(monkeypatch, kernels_launched):
+    """Every output buffer starts as NaN, and every test must launch a kernel (`kernels_launched`)."""
     monkeypatch.setattr(tri, "POISON", True)
 
 
@@ -54,6 +55,7 @@ def test_dense_linear_at_decode_sizes(m, n, k, wdtype, narrow, monkeypatch):
     assert rel(y32, ref.linear(x16.double(), QWeight(w.data.double(), None, "dense"))) <= 1e-5
 
 
+@pytest.mark.no_kernel
 def test_dense_linear_above_decode_size_and_bf16_on_cpu_use_the_reference(monkeypatch):
     calls = []
     monkeypatch.setattr(tri, "_dense_linear", lambda *a: calls.append(a))
@@ -83,6 +85,7 @@ def test_dense_linear_at_prefill_sizes_takes_the_tile_kernel(lead, n, k, monkeyp
     assert taken == [(n, k)]
 
 
+@pytest.mark.no_kernel
 def test_dense_tile_routing():
     """Which dense linears above DENSE_GEMV_MAX_M rows take the tile kernel (`_dense_tile_on`, shapes and dtypes
     only: meta tensors): 16-bit x with W and output of its dtype; fp32 x in parts only against a wide bf16 W (the
@@ -113,6 +116,7 @@ def test_tile_matmul_dots_fp32_x_in_parts():
 
 
 @pytest.mark.parametrize("parts, exact", [(4, True), (3, True), (2, False)])
+@pytest.mark.no_kernel
 def test_x_parts_sum_to_x(parts, exact):
     """dense_mma's premise: bf16 parts whose sum is x, so their products with bf16 W are exact. Three hold any
     finite float32 from 2^-100 up (here 2^-100..2^127, and fp32's largest, which rounds to inf as a bf16); two
@@ -597,6 +601,7 @@ def test_topk_kernel_matches_the_stable_sort(w, k):
 
 @pytest.mark.parametrize("tv, nv, ok", [("3.6.0", "2.4.6", False), ("3.6.0", "2.3.5", True), ("3.7.1", "2.4.6", True),
                                         ("3.6.0+rocm7.0", "2.4.0", False), ("3.9.0", "2.4.6", True)])
+@pytest.mark.no_kernel
 def test_interpreter_refuses_the_triton_numpy_pair_that_breaks_it(tv, nv, ok):
     """Triton 3.6's interpreter with NumPy 2.4 fails every kernel with a runtime loop bound (checked here with both
     installed); the engine says so in one line instead of 126 TypeErrors."""
@@ -609,6 +614,7 @@ def test_interpreter_refuses_the_triton_numpy_pair_that_breaks_it(tv, nv, ok):
 
 @pytest.mark.parametrize("tv, ok", [("3.5.0", True), ("3.6.0+rocm7.0", True), ("3.6.0.dev20251101", True),
                                     ("3.9.0", True), ("3.4.0", False), ("3.2.0+git1a2b3c", False), ("unknown", False)])
+@pytest.mark.no_kernel
 def test_backend_refuses_a_triton_its_kernels_do_not_compile_with(tv, ok, monkeypatch):
     """Triton 3.4's own griddepcontrol helpers do not compile and 3.2-3.3 fail on several kernels (checked here
     with each installed, 2026-11-30): the backend and the ISA tier say so in one line, before any kernel."""
@@ -628,6 +634,7 @@ def test_backend_refuses_a_triton_its_kernels_do_not_compile_with(tv, ok, monkey
         assert refusal is not None and f"needs Triton >= 3.5, found {tv}" in refusal
 
 
+@pytest.mark.no_kernel
 def test_backend_without_triton_says_so(monkeypatch):
     """No triton at all: the same one line, naming the install and the reference backend."""
     import sys
@@ -640,6 +647,7 @@ def test_backend_without_triton_says_so(monkeypatch):
         get_ops("triton")
 
 
+@pytest.mark.no_kernel
 def test_interpreted_kernels_are_a_second_copy_of_every_module():
     """The CPU's kernels are the package loaded again under TRITON_INTERPRET=1, each module with it: a helper
     imported from a sibling module must be the interpreted copy too, not the compiled one."""

@@ -26,7 +26,8 @@ DTYPES = [torch.float32, torch.float16]
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
+def _poison(monkeypatch, kernels_launched):
+    """Every output buffer starts as NaN, and every test must launch a kernel (`kernels_launched`)."""
     monkeypatch.setattr(tri, "POISON", True)
 
 
@@ -203,6 +204,7 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
         assert tri._moe_cfg(tri._Launch(x), x, bm, t)[2]["SWAP"] == (variant == "dot")
 
 
+@pytest.mark.no_kernel
 def test_moe_dot_tiles_on_rocm(monkeypatch):
     """ROCm takes MOE_DOT_ROCM over MOE_DOT (no SWAP, 64-row blocks at most, 4-warp down: the forms whose gfx90a
     ISA holds 2-3 waves); a BLOCK_M_MAX that is not a row block is a ValueError naming it."""
@@ -218,6 +220,7 @@ def test_moe_dot_tiles_on_rocm(monkeypatch):
         tri.moe_prepare(torch.zeros(400, 8), idx, 4)
 
 
+@pytest.mark.no_kernel
 def test_fp8_dot_block_k_must_divide_the_scale_block(monkeypatch):
     """FP8_DOT's BLOCK_K applies one 128 x 128 scale per K step: a tile that straddles two is a ValueError (as an
     sm_90 GPU would launch a prefill's GEMM: meta tensors, launches recorded, nothing run)."""
@@ -231,6 +234,7 @@ def test_fp8_dot_block_k_must_divide_the_scale_block(monkeypatch):
         tri.linear(x, w)
 
 
+@pytest.mark.no_kernel
 def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
     """Up to MOE_PAIRS_MAX_T tokens (the stream's bound here: no tensor cores on the CPU) each (token, slot) pair is
     a block of its own, token-major; beyond, the pairs are grouped by expert into dot blocks."""
@@ -246,6 +250,7 @@ def test_moe_pairs_up_to_a_few_tokens(monkeypatch):
         assert tri.moe_prepare(torch.zeros(t, 8), torch.zeros(t, 2, dtype=torch.int64), 4)[0] == bm
 
 
+@pytest.mark.no_kernel
 def test_moe_blocks_cover_every_pair_once():
     g = gen(7)
     idx = torch.randint(0, 6, (13, 3), generator=g)
@@ -445,8 +450,19 @@ def test_backend_table_and_no_leak(monkeypatch):
     assert isinstance(tri.kernels.rms_norm_kernel, JITFunction)  # the compiled copy stays compiled
 
 
+@pytest.mark.no_kernel
 def test_cpu_bf16_and_float64_fall_back_to_reference():
     g = gen(9)
     x = torch.randn(3, 16, generator=g)
     for dt in (torch.bfloat16, torch.float64):
         assert torch.equal(tri.rms_norm(x.to(dt), None, 1e-6), ref.rms_norm(x.to(dt), None, 1e-6))
+
+
+@pytest.mark.no_kernel  # (it launches one, but checks the count itself)
+def test_kernels_launched_tells_a_kernel_from_the_reference_fallback(kernels_launched):
+    """The guard every test here runs under: a float64 call takes the reference op and launches nothing; a
+    float32 call launches the kernel."""
+    tri.rms_norm(torch.randn(2, 8, dtype=torch.float64), None, 1e-6)
+    assert kernels_launched == []
+    tri.rms_norm(torch.randn(2, 8), None, 1e-6)
+    assert kernels_launched == ["rms_norm_kernel"]
