@@ -183,6 +183,10 @@ def test_norm_rope(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, weig
     out = ops.norm_rope(x, w, 1e-6, ang.cos(), ang.sin())
     check("norm_rope", out, reference.norm_rope(f64(x), f64(w), 1e-6, ang.cos(), ang.sin()), dtype,
           cdna2_tolerance, cdna2_record)
+    small = x * 0.03  # rows' mean square ~1e-2: an eps of that size moves every output by ~30%
+    out = ops.norm_rope(small, w, 1e-2, ang.cos(), ang.sin())
+    check("norm_rope (eps)", out, reference.norm_rope(f64(small), f64(w), 1e-2, ang.cos(), ang.sin()), dtype,
+          cdna2_tolerance, cdna2_record)
 
 
 def test_norm_rope_window_ring(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record):
@@ -262,6 +266,9 @@ def test_rms_norm(ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record, B, S,
     w = rnd(97, dev=cdna2_device, dtype=torch.bfloat16) if weighted else None
     check("rms_norm", ops.rms_norm(x, w, 1e-6), reference.rms_norm(f64(x), w, 1e-6), dtype, cdna2_tolerance,
           cdna2_record)
+    small = x * 0.02  # rows' mean square ~1e-2: an eps of that size moves every output by ~30%
+    check("rms_norm (eps)", ops.rms_norm(small, w, 1e-2), reference.rms_norm(f64(small), w, 1e-2), dtype,
+          cdna2_tolerance, cdna2_record)
 
 
 @pytest.mark.parametrize("inverse", [False, True])

@@ -266,14 +266,20 @@ def test_moe_blocks_cover_every_pair_once():
     assert torch.equal(pair_tok.long(), pair_id.long() // 3)
 
 
+# (x scale, eps): V4's eps under rows of RMS 3, and an eps as large as the rows' mean square, where leaving eps
+# out (or scaling it) changes every output by ~30% or more: the first alone cannot see eps.
+NORM_SCALES = [(3.0, 1e-6), (0.1, 1e-2)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,d,weighted", [(1, 37, True), (2, 37, False), (2, 130, True)])
-def test_rms_norm(dtype, b, d, weighted):
+@pytest.mark.parametrize("scale,eps", NORM_SCALES)
+def test_rms_norm(dtype, b, d, weighted, scale, eps):
     g = gen(400 + d + b)
-    x = (torch.randn(b, 3, d, generator=g) * 3).to(dtype)
+    x = (torch.randn(b, 3, d, generator=g) * scale).to(dtype)
     w = torch.randn(d, generator=g).to(dtype) if weighted else None
-    want = ref.rms_norm(x.double(), None if w is None else w.double(), 1e-6)
-    assert rel(tri.rms_norm(x, w, 1e-6), want) <= TOL[dtype]
+    want = ref.rms_norm(x.double(), None if w is None else w.double(), eps)
+    assert rel(tri.rms_norm(x, w, eps), want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -294,15 +300,16 @@ def test_rope(dtype, inverse, b, h, d, half, min_programs, monkeypatch):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("b,h,d,half", [(1, 3, 24, 4), (2, 5, 10, 5)])
 @pytest.mark.parametrize("min_programs", [tri.MIN_PROGRAMS, 2])
-def test_norm_rope(dtype, weighted, b, h, d, half, min_programs, monkeypatch):
+@pytest.mark.parametrize("scale,eps", NORM_SCALES)
+def test_norm_rope(dtype, weighted, b, h, d, half, min_programs, scale, eps, monkeypatch):
     """RMSNorm per head row then RoPE in one launch (q's unweighted norm, kv's weighted one)."""
     monkeypatch.setattr(tri, "MIN_PROGRAMS", min_programs)
     g = gen(550 + b * 7 + d + weighted)
-    x = (torch.randn(b, 3, h, d, generator=g) * 3).to(dtype)
+    x = (torch.randn(b, 3, h, d, generator=g) * scale).to(dtype)
     w = (torch.rand(d, generator=g) + 0.5).to(dtype) if weighted else None
     ang = torch.rand(b, 3, half, dtype=torch.float64, generator=g) * 6
-    want = ref.norm_rope(x.double(), None if w is None else w.double(), 1e-6, ang.cos(), ang.sin())
-    assert rel(tri.norm_rope(x, w, 1e-6, ang.cos(), ang.sin()), want) <= TOL[dtype]
+    want = ref.norm_rope(x.double(), None if w is None else w.double(), eps, ang.cos(), ang.sin())
+    assert rel(tri.norm_rope(x, w, eps, ang.cos(), ang.sin()), want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
