@@ -222,3 +222,21 @@ def test_first_real_flip_is_the_earliest_step_then_the_lowest_layer():
     engine[(2, "router")] = S(indices=idx[:, :1], margin=None)
     with pytest.raises(ValueError, match=r"selection \(2, 'router'\): shape \(3, 1\) != expected \(3, 2\)"):
         selection_diff(engine, golden, tie_margin=1e-4)
+
+
+def test_limits_hold_at_their_boundary():
+    """Each limit passes an error 1% under it and fails one 1% over it (a check made 10x looser passed every test
+    above: each compared with limits far from the error)."""
+    e = torch.linspace(1, 2, 10, dtype=D)
+    a = e.clone()
+    a[3] += 0.05
+    rel = 0.05 / e.norm().item()
+    assert_tensors_close(a, e, rtol_fro=rel * 1.01)
+    with pytest.raises(AssertionError, match="rel_fro"):
+        assert_tensors_close(a, e, rtol_fro=rel * 0.99)
+    logits = torch.zeros(3, 4, dtype=D)
+    off = logits.clone()
+    off[1, 2] = 0.05
+    assert_logits_close(off, logits, limits={"max_abs": 0.0505})
+    with pytest.raises(AssertionError, match=r"step 1: max_abs 5\.000e-02 at token 2 > limit 4\.950e-02"):
+        assert_logits_close(off, logits, limits={"max_abs": 0.0495})
