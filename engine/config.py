@@ -91,11 +91,21 @@ class Config:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"config: field {name} must be an object or null, got {getattr(self, name)!r}")
         rs = self.rope_scaling or {}
-        if rs.get("rope_type", rs.get("type")) == "yarn":
+        kind = rs.get("rope_type", rs.get("type"))
+        if rs and kind not in ("yarn", "default", None):  # anything else would be read as no scaling
+            raise ConfigError(f"config: rope_scaling type {kind!r} is not supported: V4 uses yarn")
+        if kind == "yarn":
             for key in ("factor", "original_max_position_embeddings"):
                 if isinstance(rs.get(key), bool) or not isinstance(rs.get(key), (int, float)) or rs[key] <= 0:
                     raise ConfigError(f"config: rope_scaling (yarn) needs a positive number {key}, got "
                                       f"{rs.get(key)!r}")
+            for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                if key in rs and (isinstance(rs[key], bool) or not isinstance(rs[key], (int, float))):
+                    raise ConfigError(f"config: rope_scaling (yarn) {key} must be a number, got {rs[key]!r}")
+        method = (self.quantization_config or {}).get("quant_method", "fp8")
+        if method != "fp8":
+            raise ConfigError(f"config: quantization_config quant_method {method!r} is not supported: the official "
+                              f"V4 layout is fp8 (with MXFP4 experts)")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
@@ -134,17 +144,25 @@ class Config:
             raise ConfigError(f"{source}: layer_types entries {bad_types} unknown: use {sorted(_RATIO_OF_TYPE)}")
         if "compress_ratios" not in d and "layer_types" in d:
             d["compress_ratios"] = [_RATIO_OF_TYPE[t] for t in d["layer_types"]]
+        for key, kind, what in (("layer_types", list, "a list"), ("mlp_layer_types", list, "a list"),
+                                ("rope_parameters", dict, "an object"), ("partial_rotary_factor", (int, float),
+                                                                         "a number")):
+            if d.get(key) is not None and (not isinstance(d[key], kind) or isinstance(d[key], bool)):
+                raise ConfigError(f"{source}: field {key} must be {what}, got {d[key]!r}")
         if "num_hash_layers" not in d and "mlp_layer_types" in d:
             d["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
             d["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
-        rp = d.get("rope_parameters")
-        if d.get("rope_scaling") is None and isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+        rp = d.get("rope_parameters") or {}
+        for part in ("main", "compress"):
+            if rp.get(part) is not None and not isinstance(rp[part], dict):
+                raise ConfigError(f"{source}: field rope_parameters.{part} must be an object, got {rp[part]!r}")
+        if d.get("rope_scaling") is None and isinstance(rp.get("compress"), dict):
             comp = rp["compress"]
             if comp.get("rope_type") == "yarn":
                 d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
             d.setdefault("compress_rope_theta", comp.get("rope_theta"))
-            d.setdefault("rope_theta", rp.get("main", {}).get("rope_theta"))
+            d.setdefault("rope_theta", (rp.get("main") or {}).get("rope_theta"))
         names = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if _required(f)]
         missing = [n for n in required if n not in d]
@@ -160,7 +178,9 @@ class Config:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         try:
-            raw = json.loads(file.read_text())
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8 JSON") from None
         except FileNotFoundError:
             raise ConfigError(f"{file}: not found: a checkpoint folder needs its config.json") from None
         except json.JSONDecodeError as e:

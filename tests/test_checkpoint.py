@@ -423,6 +423,18 @@ def test_config_missing_required_field(ck, field):
     (dict(rms_norm_eps=-1.0), "rms_norm_eps, rope_theta and compress_rope_theta must be > 0", "rms_norm_eps"),
     (dict(rope_scaling="yarn"), "field rope_scaling must be an object or null", "rope_scaling"),
     (dict(rope_scaling={"type": "yarn"}), "rope_scaling \\(yarn\\) needs a positive number factor", "rope_scaling"),
+    (dict(rope_scaling={"type": "llama3", "factor": 8}), "rope_scaling type 'llama3' is not supported",
+     "rope_scaling"),
+    (dict(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": "abc"}),
+     "rope_scaling \\(yarn\\) beta_fast must be a number, got 'abc'", "rope_scaling"),
+    (dict(quantization_config={"quant_method": "int4"}), "quant_method 'int4' is not supported",
+     "quantization_config"),
+    (dict(mlp_layer_types=5, num_hash_layers=_DELETE), "field mlp_layer_types must be a list, got 5",
+     "mlp_layer_types"),
+    (dict(rope_parameters={"main": 5, "compress": {"rope_theta": 1e4}}),
+     "field rope_parameters.main must be an object, got 5", "rope_parameters"),
+    (dict(partial_rotary_factor="x", qk_rope_head_dim=_DELETE), "field partial_rotary_factor must be a number",
+     "partial_rotary_factor"),
 ])
 def test_config_inconsistent(ck, changes, match, field):
     path = edit_config(ck, **changes)
@@ -443,6 +455,13 @@ def test_config_of_another_model(ck, changes, key):
     with pytest.raises(CheckpointError, match="the config.json does not match these weights") as e:
         load_model(ck)
     one_line(e, ck / ST, key)
+
+
+def test_config_not_utf8(ck):
+    (ck / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="not UTF-8 text .*save it as UTF-8 JSON") as e:
+        read_checkpoint(ck)
+    one_line(e, ck / "config.json")
 
 
 def test_config_not_an_object(ck):

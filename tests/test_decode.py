@@ -58,9 +58,12 @@ def test_token_by_token_decode_matches_prefill(ckpt, dtype, bound, frac):
     full = model.forward(ids)
     prompt = 37  # odd: leaves a partial CSA window and a partial HCA window pending in the cache
     inc = run_chunks(model, ids, [prompt] + [1] * (T - prompt))
+    assert torch.isfinite(inc).all()  # the forgiven fraction is for near-tie flips, not NaN
     r = rel(inc, full)
     assert (r <= bound).double().mean() >= frac, f"{(r > bound).sum()} positions over {bound}, worst {r.max():.2e}"
-    r = rel(run_static(model, ids, prompt), full)
+    static = run_static(model, ids, prompt)
+    assert torch.isfinite(static).all()
+    r = rel(static, full)
     assert (r <= bound).double().mean() >= frac, f"{(r > bound).sum()} positions over {bound}, worst {r.max():.2e}"
 
 

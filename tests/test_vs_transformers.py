@@ -61,7 +61,7 @@ def test_float32_matches_transformers(case):
     ours = cdna2_engine.load_model(path, dtype=torch.float32).forward(ids)
     with torch.no_grad():
         ref = load_hf(path, torch.float32)(ids).logits
-    assert ours.dtype == torch.float32
+    assert ours.dtype == torch.float32 and torch.isfinite(ours).all()  # the 1% forgives near-tie flips, not NaN
     rel = rel_per_position(ours, ref)
     frac = (rel <= 1e-4).double().mean().item()
     assert frac >= 0.99, f"{name}: only {frac:.2%} of positions within 1e-4 (worst {rel.max():.2e})"
