@@ -88,3 +88,13 @@ def test_bf16_profile_still_catches_a_wrong_expert_scale(pytester, made):
     bad = run_suite(pytester, model, goldens, "-m", "token", "-k", "teacher", "--cdna2-dtype=bfloat16",
                     "--cdna2-engine=cdna2_engine.faults:load_faulty", env={"CDNA2_FAULT": "expert_scale_off_by_one"})
     assert bad.ret == 1
+
+
+def test_the_bundled_goldens_pass_the_token_tier(pytester):
+    """The product's default run (the bundled model and goldens), which CI otherwise never makes: every prompt's
+    teacher-forced logits and greedy continuation."""
+    from pytest_cdna2.plugin import DEFAULT_GOLDENS, DEFAULT_MODEL
+
+    r = run_suite(pytester, DEFAULT_MODEL, DEFAULT_GOLDENS, "-m", "token")
+    r.assert_outcomes(passed=32)
+
