@@ -485,3 +485,14 @@ def test_requantize_halves_scale_when_top_rounds_to_half_max_by_hand():
     q2, t2 = fp8_block_quantize(fp8_block_dequantize(q1, t1))
     assert (t1.view(torch.uint8).item(), t2.view(torch.uint8).item()) == (127, 126)
     assert q1.float().tolist() == [[224.0, 1.0]] and q2.float().tolist() == [[448.0, 2.0]]
+
+
+def test_block_scale_expand_keeps_rows_and_columns_apart():
+    """A square grid of distinct block scales (2 x 2 blocks, 3 x 3 with partial edges): each element gets its own
+    block's scale, so a transposed grid (which a non-square grid would also refuse, a square one would not) fails."""
+    for n, k in ((256, 256), (300, 260)):
+        nb_n, nb_k = -(-n // 128), -(-k // 128)
+        scale = torch.arange(nb_n * nb_k, dtype=torch.float32).reshape(nb_n, nb_k) + 1
+        got = block_scale_expand(scale, n, k)
+        rows, cols = torch.arange(n)[:, None] // 128, torch.arange(k)[None, :] // 128
+        assert got.shape == (n, k) and torch.equal(got, rows * nb_k + cols + 1.0)

@@ -32,7 +32,9 @@ def test_user_profile_overrides_only_its_keys(tmp_path):
     assert (p.name, p.token.kl_max, p.token.topk) == ("strict", 1e-6, 3)
     assert p.token.cosine_min == load_profile().token.cosine_min
     f.write_text('name = "mi250-bf16"\n[kernel]\nrtol_fro_bfloat16 = 2e-2\n')
-    assert load_profile(f).name == "mi250-bf16"
+    k = load_profile(f)
+    assert k.name == "mi250-bf16" and k.kernel.rtol_for(torch.bfloat16) == 2e-2
+    assert k.kernel.rtol_for(torch.float32) == load_profile().kernel.rtol_for(torch.float32)  # only its key
     assert with_limits(p, token={"kl_max": 0.5}).token.kl_max == 0.5
 
 

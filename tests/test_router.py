@@ -58,3 +58,24 @@ def test_bad_input_ids_and_taps_are_one_line_errors(tmp_path):
                 call(bad)
     with pytest.raises(ValueError, match=r"unknown tap\(s\) \['9.attn'\]"):
         model.trace(torch.tensor([[1, 2]]), taps=["9.attn"])
+
+
+@pytest.mark.parametrize("scoring", sorted(SCORES))
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_route_weights_leave_the_bias_out(scoring, backend):
+    """The bias picks the experts; their weights are the unbiased scores, normalized, times the scale (a bias
+    added into the weights still picked the same experts, so the selection test above could not see it)."""
+    from cdna2_engine.ops import reference as ref
+
+    ops = ref if backend == "reference" else pytest.importorskip("cdna2_engine.ops.triton")
+    g = torch.Generator().manual_seed(9)
+    dtype = torch.float64 if backend == "reference" else torch.float32  # the kernel routes fp32 logits
+    logits = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    bias = torch.rand(16, generator=g, dtype=torch.float64) * 0.5
+    idx, w, _ = ops.route(logits.to(dtype), bias.to(dtype), 4, scoring, 2.5)
+    scores = SCORES[scoring](logits)
+    want_idx = [sorted(range(16), key=lambda e, r=row: (-r[e].item(), e))[:4] for row in scores + bias]
+    assert idx.tolist() == want_idx
+    picked = scores.gather(-1, idx.long())
+    # rtol 1e-6: the kernel's fp32 scores and 4-term sum, ~10x fp32 rounding (2^-24); float64 meets it by far
+    torch.testing.assert_close(w.double(), picked / picked.sum(-1, keepdim=True) * 2.5, rtol=1e-6, atol=0)
