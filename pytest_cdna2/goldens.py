@@ -185,6 +185,8 @@ class GoldenStore:
         """Read the manifest, check it is for ``expected_model_sha256`` (when given) and verify every file."""
         path = Path(path)
         mpath = path / MANIFEST
+        if path.exists() and not path.is_dir():
+            raise GoldenError(f"golden store {path} is a file, not a folder: pass the store's folder")
         if not path.is_dir():
             raise GoldenError(f"golden store {path} does not exist; {_BUILD_HINT}")
         if not mpath.is_file():

@@ -102,7 +102,7 @@ def test_last_only_prefill_gives_the_last_logits_and_the_same_cache(ckpt):
     full = model.step(ids[:, :-1], full_cache)
     last = model.step(ids[:, :-1], last_cache, last_only=True)
     assert last.shape == (2, 1, cfg.vocab_size)
-    assert rel(last, full[:, -1:]).max() <= 1e-12
+    assert rel(last, full[:, -1:]).max() <= 1e-12  # float64, the same sums reassociated at most (~1e-16)
     after_full, after_last = model.step(ids[:, -1:], full_cache), model.step(ids[:, -1:], last_cache)
     assert torch.equal(after_full, after_last)  # the caches hold the same keys, entries and windows
     from cdna2_engine.model import _Ctx
@@ -117,7 +117,7 @@ def test_batch_rows_are_independent(ckpt):
     ids = torch.randint(0, cfg.vocab_size, (3, 140), generator=torch.Generator().manual_seed(14))
     both = model.forward(ids)
     for b in range(3):
-        assert rel(model.forward(ids[b:b + 1]), both[b:b + 1]).max() <= 1e-12
+        assert rel(model.forward(ids[b:b + 1]), both[b:b + 1]).max() <= 1e-12  # float64: reassociation at most
 
 
 @pytest.mark.parametrize("prompt", [1, 4, 16, 128, 129])  # window edges, CSA and HCA window edges

@@ -84,6 +84,9 @@ def test_goldens_of_another_model_are_refused_naming_both(tmp_path):
 def test_missing_things_name_the_thing_and_the_fix(tmp_path):
     with pytest.raises(GoldenError, match=r"does not exist; rebuild with `cdna2 goldens build"):
         GoldenStore.open(tmp_path / "nope")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(GoldenError, match=r"a_file is a file, not a folder: pass the store's folder"):
+        GoldenStore.open(tmp_path / "a_file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(GoldenError, match=r"no manifest.json in .*empty: not a golden store"):
         GoldenStore.open(tmp_path / "empty")

@@ -247,8 +247,9 @@ def test_hc_pre_and_weights(n, rows, d, dtype, broadcast):
     post, comb = tri.hc_weights(sums, base, scale, n, d, 20, 1e-6, 1e-6, h.dtype)
     rpost, rcomb = ref.hc_weights(rsums, *_f64(base, scale), n, d, 20, 1e-6, 1e-6, torch.float64)
     assert post.dtype == comb.dtype == torch.float32  # fp32 from any streams' dtype but fp64
-    assert rel(post, rpost) <= 1e-5 and rel(comb, rcomb) <= 1e-5
-    # Sinkhorn ends on a column normalization: columns sum to 1 (rows only approach it in 20 iterations)
+    assert rel(post, rpost) <= 1e-5 and rel(comb, rcomb) <= 1e-5  # the kernel tier's fp32 limit (DESIGN.md s. 5)
+    # Sinkhorn ends on a column normalization: columns sum to 1 (rows only approach it in 20 iterations); an fp32
+    # column of n terms sums to 1 within ~n * 2^-24, and 1e-4 still fails a column that was not normalized last
     assert torch.allclose(comb.double().sum(-2), torch.ones(rows, 1, n, dtype=torch.float64), atol=1e-4)
 
 
@@ -492,7 +493,7 @@ def test_swiglu_on_views_of_one_projection():
     for limit in (7.0, 0.0):
         got = tri.swiglu(gate, up, limit)
         assert got.shape == gate.shape
-        assert rel(got, ref.swiglu(gate.double(), up.double(), limit)) <= 1e-6
+        assert rel(got, ref.swiglu(gate.double(), up.double(), limit)) <= 1e-6  # fp32 silu * up: ~10 roundings
 
 
 def test_rope_cos_sin_in_float64():
@@ -502,6 +503,8 @@ def test_rope_cos_sin_in_float64():
     cos, sin = tri.rope_cos_sin(pos, inv)
     rc, rs = ref.rope_cos_sin(pos, inv)
     assert cos.dtype == torch.float64 and cos.shape == (2, 4, 13)
+    # both take the float64 angle pos * inv_freq the same way: 1e-12 allows a reordered evaluation, while an fp32
+    # angle would be off by radians at position 1M
     assert torch.allclose(cos, rc, rtol=0, atol=1e-12) and torch.allclose(sin, rs, rtol=0, atol=1e-12)
     cos4, _ = tri.rope_cos_sin(pos, inv, 4)  # a compressed entry's angle: its window's first position
     assert torch.allclose(cos4, ref.rope_cos_sin(pos // 4 * 4, inv)[0], rtol=0, atol=1e-12)
