@@ -21,12 +21,11 @@ def _wrap(model, name: str, fn: Callable) -> None:
 
 def expert_scale_off_by_one(model, layer: int = 2, expert: int | None = None) -> None:
     """One routed expert's MXFP4 down-projection scales read one exponent step high (x2): the classic
-    E8M0 bias slip. `expert` None picks the expert layer `layer` uses most on a fixed probe."""
+    E8M0 bias slip, in expert `expert` (None: expert 0)."""
     e = model.experts[layer]["w2"]
     if e.kind != "mxfp4":
         raise ValueError("expert_scale_off_by_one needs MXFP4 experts")
-    if expert is None:
-        expert = 0
+    expert = 0 if expert is None else expert
     scale = e.scale.clone()
     scale[expert] = (scale[expert].view(torch.uint8) + 1).view(torch.float8_e8m0fnu)
     model.experts[layer]["w2"] = QWeight(e.data, scale, e.kind)
