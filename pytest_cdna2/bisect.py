@@ -106,7 +106,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     from pytest_cdna2.tolerance import load_profile
 
     lim = load_profile(tolerance, dtype=dtype).token
-    factory = resolve_factory(engine)
+    factory = resolve_factory(engine, option="--engine")
 
     def load(reference_ops: list[str] | None = None):
         kw = {"dtype": dtype} if engine == "bundled" else {}

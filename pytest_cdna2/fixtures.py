@@ -66,8 +66,9 @@ def _stop(request: pytest.FixtureRequest, message: str) -> NoReturn:
     raise pytest.fail.Exception(message, pytrace=False) from None  # called in `except`: no chained repeat
 
 
-def resolve_factory(spec: str) -> Callable[..., Any]:
-    """``bundled`` -> ``cdna2_engine.load_model``; ``pkg.mod:factory`` -> that callable."""
+def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., Any]:
+    """``bundled`` -> ``cdna2_engine.load_model``; ``pkg.mod:factory`` -> that callable (errors name ``option``,
+    the flag the user typed)."""
     if spec == "bundled":
         import cdna2_engine as bundled
 
@@ -76,12 +77,12 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise LookupError(f"--cdna2-engine={spec}: cannot import {module!r}: {e}") from None
+        raise LookupError(f"{option}={spec}: cannot import {module!r}: {e}") from None
     obj: Any = mod
     for part in attr.split("."):
         obj = getattr(obj, part, None)
     if not callable(obj):
-        raise LookupError(f"--cdna2-engine={spec}: {module!r} has no callable {attr!r}")
+        raise LookupError(f"{option}={spec}: {module!r} has no callable {attr!r}")
     import inspect
 
     try:
@@ -91,7 +92,7 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     try:
         sig.bind("MODEL_DIR", device="cpu", backend="reference")
     except TypeError:
-        raise LookupError(f"--cdna2-engine={spec}: {attr}{sig} cannot be called as factory(path, device=..., "
+        raise LookupError(f"{option}={spec}: {attr}{sig} cannot be called as factory(path, device=..., "
                           f"backend=...[, dtype=...])") from None
     return obj
 

@@ -51,6 +51,12 @@ def record_metric(
     return bool(ok)
 
 
+def _short(v: float) -> str:
+    """A limit in as few digits (4 at least) as tell it apart: cosine_min's 0.999999999 is not 1.000e+00."""
+    full = float(f"{v:.12e}")
+    return next((f"{v:.{d}e}" for d in range(3, 12) if float(f"{v:.{d}e}") == full), f"{v:.12e}")
+
+
 @dataclass(frozen=True)
 class Metric:
     """One recorded metric, as read back from a report."""
@@ -80,7 +86,7 @@ class Metric:
         verdict = "ok" if self.ok else "FAIL"
         where = f" [{self.what}]" if self.what else ""
         return (
-            f"{self.metric} {self.value:.3e} (limit {self.op} {self.limit:.3e}, {verdict}) "
+            f"{self.metric} {self.value:.3e} (limit {self.op} {_short(self.limit)}, {verdict}) "
             f"in {self.nodeid}{where}"
         )
 

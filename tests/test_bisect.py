@@ -49,7 +49,8 @@ def test_cli_bisect_passes_a_correct_engine(small, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", "p99"], "no prompt 'p99' (have: p00, p01)"),
-    (["--engine", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+    (["--engine", "no_such_module_xyz:make"], "--engine=no_such_module_xyz:make: cannot import 'no_such_module_xyz'"),
+    (["--engine", "os.path:join"], "--engine=os.path:join: join(a, *p) cannot be called as factory(path"),
 ])
 def test_cli_bisect_bad_names_are_one_line(small, capsys, extra, message):
     model, goldens = small

@@ -141,3 +141,14 @@ def test_metrics_are_attached_to_allure_as_csv(pytester):
     csvs = [p.read_text() for p in (pytester.path / "allure").glob("*-attachment.csv")]
     assert len(csvs) == 3  # test_tokens x2 and test_kernel
     assert "metric,value,op,limit,ok,what\nrel_fro,3e-06,<=,1e-05,True,\n" in csvs
+
+
+def test_summary_limits_keep_the_digits_that_matter():
+    """cosine_min's limit 0.999999999 printed as 1.000e+00 read as "cosine must be 1"; limits print in as few
+    digits (4 at least) as tell them apart, values as before."""
+    from pytest_cdna2.report import Metric
+
+    line = Metric("t::x", "cosine_min", 0.9999999999, 0.999999999, ">=", "").line()
+    assert line.startswith("cosine_min 1.000e+00 (limit >= 9.99999999e-01, ok)")
+    line = Metric("t::x", "kl_max", 2.1e-2, 1e-3, "<=", "").line()
+    assert line.startswith("kl_max 2.100e-02 (limit <= 1.000e-03, FAIL)")

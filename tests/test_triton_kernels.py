@@ -473,3 +473,13 @@ def test_kernels_launched_tells_a_kernel_from_the_reference_fallback(kernels_lau
     assert kernels_launched == []
     tri.rms_norm(torch.randn(2, 8), None, 1e-6)
     assert kernels_launched == ["rms_norm_kernel"]
+
+
+@pytest.mark.no_kernel
+def test_poison_fills_every_output_buffer():
+    """What every test here relies on to see an unwritten element: with POISON on (the autouse fixture), output
+    buffers start as NaN, integers at their minimum, masks all picked."""
+    assert torch.isnan(tri._empty(2, 3, dtype=torch.float32, device="cpu")).all()
+    assert torch.isnan(tri._empty(4, dtype=torch.float16, device="cpu")).all()
+    assert (tri._empty(5, dtype=torch.int64, device="cpu") == torch.iinfo(torch.int64).min).all()
+    assert tri._empty(3, dtype=torch.bool, device="cpu").all()
