@@ -105,7 +105,22 @@ def _path(config: pytest.Config, value: object, source: str) -> Path:
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
-    """Turn options into :class:`Settings`; any bad value is a ``pytest.UsageError``."""
+    """Turn options into :class:`Settings`; any bad value is a ``pytest.UsageError`` naming where it was set
+    (the option, or the ini key and file)."""
+    try:
+        return _resolve(config)
+    except pytest.UsageError as e:
+        m = re.match(r"--cdna2-([a-z-]+)", str(e))
+        if not m or _opt(config, m.group(1))[1] != "ini":
+            raise
+        rest = str(e)[m.end():]
+        key = "cdna2_" + m.group(1).replace("-", "_")
+        value, _, rest = rest[1:].partition(": ") if rest.startswith("=") else ("", "", rest.removeprefix(": "))
+        where = f"ini key {key}" + (f" = {value}" if value else "") + f" in {config.inipath}"
+        raise pytest.UsageError(f"{where}: {rest}") from None
+
+
+def _resolve(config: pytest.Config) -> Settings:
     dev_spec, _ = _opt(config, "device")
     selected = devices.parse_device_spec(str(dev_spec) if dev_spec is not None else None)
     device = devices.pick_for_worker(selected, devices.worker_index())

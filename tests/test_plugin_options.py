@@ -102,7 +102,8 @@ def test_defaults_point_at_the_bundled_model(pytester):
     ("args", "ini", "message"),
     [
         (["--cdna2-backend=cuda"], "", "*--cdna2-backend=cuda: expected one of reference, triton*"),
-        ([], "cdna2_backend = rocm", "*--cdna2-backend=rocm: expected one of reference, triton*"),
+        ([], "cdna2_backend = rocm", "*ini key cdna2_backend = rocm in *.ini: expected one of reference, triton*"),
+        ([], "cdna2_model = nowhere", "*ini key cdna2_model in *.ini: */nowhere does not exist*"),
         (["--cdna2-engine=not a spec"], "", "*--cdna2-engine=not a spec: expected bundled or module:factory*"),
         (["--cdna2-model=nowhere"], "", "*--cdna2-model: */nowhere does not exist*"),
         (["--cdna2-goldens=nowhere"], "", "*--cdna2-goldens: */nowhere does not exist (build it with*"),
