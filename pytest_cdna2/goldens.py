@@ -182,7 +182,8 @@ class GoldenStore:
     # -- opening and verification -------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, expected_model_sha256: str | None = None) -> GoldenStore:
-        """Read the manifest, check it is for ``expected_model_sha256`` (when given) and verify every file."""
+        """Read the manifest, check it is for ``expected_model_sha256`` (when given), verify every file's hash,
+        then the contents (:meth:`check_contents`)."""
         path = Path(path)
         mpath = path / MANIFEST
         if path.exists() and not path.is_dir():
