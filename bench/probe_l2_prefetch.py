@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -90,26 +89,9 @@ def prefetch(t: torch.Tensor, mode: int, programs: int) -> None:
     l2_line_kernel[(triton.cdiv(n, per),)](t, n, per, sink, MODE=mode, LANES=128, num_warps=4)
 
 
-def graph_us(body, sets: int, replays: int = 30) -> float:
-    """Median us per set: one graph holding body(i) for every set, replayed."""
-    for i in range(2):
-        body(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(sets):
-            body(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / sets)
-    return statistics.median(times)
+def graph_us(body, sets: int) -> float:
+    """Median us per set of body(i), every set in one replayed graph (bench_kernels.time_graph_ms)."""
+    return B.time_graph_ms(body, [(i,) for i in range(sets)]) * 1e3
 
 
 def main() -> None:
