@@ -192,33 +192,15 @@ def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool, t: int =
     return w1, w3, w2, x, idx, torch.rand(t, k, generator=g, device=dev)
 
 
-def _spy_mma_launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
-    """The moe_mma launches' (name, grid, options) from here on."""
-    calls, launch = [], tri._Launch.__call__
-
-    def spy(self, name, grid, *args, **kwargs):
-        if name.startswith("moe_mma"):
-            calls.append((name, grid, kwargs))
-        return launch(self, name, grid, *args, **kwargs)
-
-    monkeypatch.setattr(tri._Launch, "__call__", spy)
-    return calls
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("t,with_shared,pdl,cta", [(1, False, True, False), (1, True, True, False),
-                                                    (1, True, False, False), (3, True, True, False),
-                                                    (5, False, False, False), (1, False, True, True),
-                                                    (1, True, False, True), (3, True, True, True)])
-def test_moe_experts_tensor_core_gpu(t, with_shared, pdl, cta, monkeypatch):
+@pytest.mark.parametrize("t,with_shared,pdl", [(1, False, True), (1, True, True), (1, True, False), (3, True, True),
+                                                (5, False, False)])
+def test_moe_experts_tensor_core_gpu(t, with_shared, pdl, monkeypatch):
     """The tensor-core kernels (one program row per (token, slot) pair; t tokens of 16 experts share some) against
     the reference at V4-Flash widths (bf16 x; h enters the down GEMV split hi + lo in bf16: ~2^-17 relative, far
-    inside the bf16 tolerance 1e-2 of tests/test_triton_kernels). CTA: the K parts as the warps of one program."""
+    inside the bf16 tolerance 1e-2 of tests/test_triton_kernels)."""
     monkeypatch.setattr(tri, "POISON", True)  # every buffer the kernels write starts as NaN
     monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)  # down as a programmatic dependent of gate/up (sm_90) or not
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_UP", cta)
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_DOWN", cta)
-    calls = _spy_mma_launches(monkeypatch)
     dev = torch.device("cuda")
     if not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
@@ -235,16 +217,10 @@ def test_moe_experts_tensor_core_gpu(t, with_shared, pdl, cta, monkeypatch):
     hb = tri.moe_gate_up(x, w1, w3, tri.moe_prepare(x, idx, e), 7.0)
     assert hb.dim() == 3 and hb.dtype == torch.bfloat16  # the tensor-core path ran
     assert not tri._locks(dev, 0).any()
-    splits = {"moe_mma_gate_up_kernel": tri.MOE_MMA["SPLIT_UP"], "moe_mma_down_kernel": tri.MOE_MMA["SPLIT_DOWN"]}
-    assert {name for name, _, _ in calls} == set(splits)
-    for name, grid, kw in calls:  # CTA: one program of SPLIT warps where SPLIT one-warp programs were
-        assert kw["CTA"] is cta and kw["num_warps"] == (splits[name] if cta else 1)
-        assert grid[2] == (1 if cta else splits[name]), (name, grid)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch: needs a CUDA GPU (sm_90)")
-@pytest.mark.parametrize("cta", [False, True])
-def test_down_as_dependent_launch_is_bit_identical_gpu(cta, monkeypatch):
+def test_down_as_dependent_launch_is_bit_identical_gpu(monkeypatch):
     """Down launched as a programmatic dependent of gate/up (sm_90) reads its first weights before its wait: it
     must give the bits of a plain launch, on the first call (weights repacked just before: launched plainly),
     on repeats (gate/up and down adjacent: nothing poisoned in between) and after an in-place weight change."""
@@ -252,8 +228,6 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(cta, monkeypatch):
     if not (tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev), 2048, 6)
             and tri._compiled.PDL_AVAILABLE and tri._cuda_cc(dev) >= (9, 0)):
         pytest.skip("needs the tensor-core path and griddepcontrol (sm_90, Triton 3.5+)")
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_UP", cta)
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_DOWN", cta)
     e = 16
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(torch.Generator(dev).manual_seed(12), e, 6, scale_200=False)
     plan = tri.moe_prepare(x, idx, e)
@@ -274,15 +248,12 @@ def test_down_as_dependent_launch_is_bit_identical_gpu(cta, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("t,e,with_shared,cta", [(8, 16, True, False), (16, 256, False, False), (64, 16, True, False),
-                                                  (64, 256, True, False), (8, 16, True, True), (64, 256, True, True)])
-def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, cta, monkeypatch):
+@pytest.mark.parametrize("t,e,with_shared", [(8, 16, True), (16, 256, False), (64, 16, True), (64, 256, True)])
+def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
     """Two pairs of one expert a program row (MOE_MMA TWO_MIN_T; at 16 experts most rows are full, at 256 a few)
     give the bits of one pair a row: each mma column and each partial sum is the same arithmetic. And both are
-    within the bf16 bound of the reference. CTA: the K parts as the warps of one program."""
+    within the bf16 bound of the reference."""
     monkeypatch.setattr(tri, "POISON", True)
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_UP", cta)
-    monkeypatch.setitem(tri.MOE_MMA, "CTA_DOWN", cta)
     dev = torch.device("cuda")
     if not tri._mma_on(torch.zeros(t, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
@@ -311,8 +282,7 @@ def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, cta, monkeypatc
     assert not tri._locks(dev, 0).any()
 
 
-@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two",
-                                  "moe_mma_gate_up_cta", "moe_mma_down_cta"])
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

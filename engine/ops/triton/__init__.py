@@ -552,9 +552,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
 # decode of an expert's tile serves two tokens; the H200 (NOTES run 195): 7-8% slower at 4-8 tokens (the table's
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
-PROBE_UP: dict = {}
-PROBE_DOWN: dict = {}
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12, "CTA_UP": False, "CTA_DOWN": False}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -620,15 +618,13 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     down kernel's B operand (in the order its lanes read it: kernels/mma.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
     p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
-    cta = bool(MOE_MMA["CTA_UP"])  # the K parts as one program's warps: no partials, no counters
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
-    part = _empty(1 if cta else p * split, 2, inter, dtype=torch.float32, device=x.device)
+    part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
     rows = plan[-2]
-    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, 1 if cta else split), x, words, scales, plan[3],
-               plan[3] if rows is None else rows, part, _locks(x.device, 0 if cta else p * inter // 16), hb, inter, d,
-               plan[-1], float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split,
-               SPLITP=_pow2(split, 1), TWO=rows is not None, PDL=_mma_pdl(x.device), CTA=cta,
-               num_warps=split if cta else 1, **PROBE_UP)
+    _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3],
+               plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb, inter, d, plan[-1],
+               float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1),
+               TWO=rows is not None, PDL=_mma_pdl(x.device), num_warps=1)
     return hb
 
 
@@ -637,15 +633,15 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     words, scales, fresh = _mma_weights(w2)
     p, k, inter, d, split = hb.shape[0], plan[-1], hb.shape[1] * 128, w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
     pdl = _mma_pdl(hb.device) and not fresh  # down reads its first weights before its wait: not just written ones
-    fused, cta = out is not None, bool(MOE_MMA["CTA_DOWN"])
+    fused = out is not None
     c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
-    part = _empty(p * (1 if cta else split), d, dtype=torch.float32, device=hb.device)
+    part = _empty(p * split, d, dtype=torch.float32, device=hb.device)
     rows = plan[-2]
-    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, 1 if cta else split), hb, words, scales, plan[3],
+    _Launch(hb)("moe_mma_down_kernel", (d // 16, p, split), hb, words, scales, plan[3],
                 plan[3] if rows is None else rows, weights.contiguous().reshape(-1), part,
                 _locks(hb.device, (p // k if fused else p) * d // 16), c, c if add is None else add.contiguous(), d,
                 inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused, HAS_ADD=add is not None, TWO=rows is not None,
-                PDL=pdl, launch_pdl=pdl, CTA=cta, num_warps=split if cta else 1, **PROBE_DOWN)
+                PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 

@@ -23,29 +23,13 @@ from .base import _e8m0, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _lane_roles(N: tl.constexpr = 32):
+def _lane_roles():
     """This thread's (lane, g, t, gg, part): fragment row group g = lane // 4, column pair t = lane % 4, and for
-    the B operand its column's scale group gg = g // 2 and hi/lo part g % 2 (one [N] element per thread: N = 32
-    lanes x the program's warps)."""
-    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((N,), dtype=tl.int32)],
+    the B operand its column's scale group gg = g // 2 and hi/lo part g % 2 (one [32] element per lane)."""
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros((32,), dtype=tl.int32)],
                                      dtype=tl.int32, is_pure=True, pack=1)
     g = lane // 4
     return lane, g, lane % 4, g // 2, g % 2
-
-
-@triton.jit
-def _warp_id(N: tl.constexpr):
-    """This thread's warp in its program (one [N] element per thread)."""
-    tid = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [tl.zeros((N,), dtype=tl.int32)],
-                                    dtype=tl.int32, is_pure=True, pack=1)
-    return tid // 32
-
-
-@triton.jit
-def _warp_sum(v, WARPS: tl.constexpr):
-    """[32 x WARPS] per-thread values -> [32]: each lane's values summed over the program's warps (a fixed tree;
-    element i is thread i, Triton's layout of a 1-D tensor over 32 x WARPS threads, which the GPU tests check)."""
-    return tl.sum(tl.reshape(v, (WARPS, 32)), axis=0)
 
 
 @triton.jit
@@ -200,11 +184,10 @@ def _mma_h(ptr):
 
 
 @triton.jit
-def _mma_program(rows_ptr, K, SPLIT: tl.constexpr, TWO: tl.constexpr, CTA: tl.constexpr = False):
-    """A program's place: (row-tile program, pair j, second pair j2, K part sk, row-tile programs, the K tiles of
-    a row tile, those of one part). Program row i is pair i, or with TWO the pairs of row i of
-    `moe_pair_rows_kernel`'s table (two of one expert; j2 = -1: none; j = -1: an empty row). K part: the grid's
-    third index (one-warp programs), or with CTA each thread's warp ([32 x SPLIT])."""
+def _mma_program(rows_ptr, K, SPLIT: tl.constexpr, TWO: tl.constexpr):
+    """A one-warp program's place: (row-tile program, pair j, second pair j2, K part sk, row-tile programs, the K
+    tiles of a row tile, those of one part). Program row i is pair i, or with TWO the pairs of row i of
+    `moe_pair_rows_kernel`'s table (two of one expert; j2 = -1: none; j = -1: an empty row)."""
     ktt = K // 128
     if TWO:
         j = tl.load(rows_ptr + 2 * tl.program_id(1))
@@ -212,11 +195,7 @@ def _mma_program(rows_ptr, K, SPLIT: tl.constexpr, TWO: tl.constexpr, CTA: tl.co
     else:
         j = tl.program_id(1)
         j2 = -1
-    if CTA:
-        sk = _warp_id(32 * SPLIT)
-    else:
-        sk = tl.program_id(2)
-    return tl.program_id(0), j, j2, sk, tl.num_programs(0), ktt, ktt // SPLIT
+    return tl.program_id(0), j, j2, tl.program_id(2), tl.num_programs(0), ktt, ktt // SPLIT
 
 
 @triton.jit
@@ -252,54 +231,34 @@ def _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, ok, SPLIT: tl.co
 
 
 @triton.jit
-def _swiglu_store(hb_ptr, j, I, ch, gs, us, keep, limit, HAS_LIMIT: tl.constexpr):
-    """h = clamped SwiGLU of pair j's channels ch, x 2^64 split hi + lo in bf16 where down's lanes read it
-    (`_hb_index`)."""
-    if HAS_LIMIT:
-        gs = tl.minimum(gs, limit)
-        us = tl.minimum(tl.maximum(us, -limit), limit)
-    h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
-    hi = h.to(tl.bfloat16)
-    lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-    at = hb_ptr + j * 2 * I + _hb_index(ch)
-    tl.store(at, hi, mask=keep)
-    tl.store(at + 32, lo, mask=keep)  # part 1: the lanes 4 x 2 further on
-
-
-@triton.jit
 def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT: tl.constexpr,
                     SPLIT: tl.constexpr, SPLITP: tl.constexpr):
-    """The last K part of pair j's tile c to arrive adds the SPLIT partials (a fixed tree) and stores h
-    (`_swiglu_store`)."""
+    """The last K part of pair j's tile c to arrive adds the SPLIT partials (a fixed tree), applies the clamped
+    SwiGLU and writes h x 2^64 split hi + lo in bf16 where down's lanes read it (`_hb_index`)."""
     lock_at = lock_ptr + j * n_ct + c
     if tl.atomic_add(lock_at, 1, sem="acq_rel") == SPLIT - 1:
         q = tl.arange(0, SPLITP)[:, None]
-        ch = c * 16 + tl.arange(0, 16)
-        at = part_ptr + (j * SPLIT + q) * 2 * I + ch[None, :]
+        ch = c * 16 + tl.arange(0, 16)[None, :]
+        at = part_ptr + (j * SPLIT + q) * 2 * I + ch
         ok = q < SPLIT
         gs = tl.sum(tl.load(at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
         us = tl.sum(tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        _swiglu_store(hb_ptr, j, I, ch, gs, us, ch >= 0, limit, HAS_LIMIT)
+        if HAS_LIMIT:
+            gs = tl.minimum(gs, limit)
+            us = tl.minimum(tl.maximum(us, -limit), limit)
+        h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+        hi = h.to(tl.bfloat16)
+        lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+        at = hb_ptr + j * 2 * I + _hb_index(c * 16 + tl.arange(0, 16))
+        tl.store(at, hi)
+        tl.store(at + 32, lo)  # part 1: the lanes 4 x 2 further on
         tl.atomic_xchg(lock_at, 0)
-
-
-@triton.jit
-def _gate_up_cta(hb_ptr, j, c, I, gt, gb, ut, ub, ok, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr):
-    """CTA: pair j's tile c summed over the K parts of the program's warps (a fixed tree), then `_swiglu_store`."""
-    i = tl.arange(0, 32)
-    ch = c * 16 + i // 4
-    keep = (i % 4 == 0) & ok
-    _swiglu_store(hb_ptr, j, I, ch, _warp_sum(_quad_sum(gt), SPLIT), _warp_sum(_quad_sum(ut), SPLIT), keep, limit,
-                  HAS_LIMIT)
-    _swiglu_store(hb_ptr, j, I, ch + 8, _warp_sum(_quad_sum(gb), SPLIT), _warp_sum(_quad_sum(ub), SPLIT), keep,
-                  limit, HAS_LIMIT)
 
 
 @triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                           TWO: tl.constexpr = False, PDL: tl.constexpr = False, CTA: tl.constexpr = False,
-                           NOFIN: tl.constexpr = False):
+                           TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
     the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
     that token's x. TWO: program row i takes the two pairs of one expert in row i of rows_ptr, the second pair's x
@@ -307,16 +266,15 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
     a pair's tile to arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times
     2^64 split hi + lo in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL
     (sm_90): the down launch may start once every program of this one has started (it waits for this launch's end
-    before it reads h). CTA: the SPLIT K parts are the warps of one program, which adds them itself (no partials in
-    memory, no arrival counters)."""
+    before it reads h)."""
     if PDL:
         gdc_launch_dependents()
-    c, j, j2, sk, n_ct, ktt, kt = _mma_program(rows_ptr, D, SPLIT, TWO, CTA)
+    c, j, j2, sk, n_ct, ktt, kt = _mma_program(rows_ptr, D, SPLIT, TWO)
     if TWO:
         if j < 0:  # an empty row of the pair table
             return
     e = tl.load(e_ptr + j).to(tl.int64)
-    lane, g, t, gg, part = _lane_roles(32 * SPLIT if CTA else 32)
+    lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
     wg = w_ptr + (tile0 * 256 + lane * 4)
     wu = wg + ktt * 256
@@ -329,7 +287,7 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
     a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
     x0, x1, x2, x3 = _mma_x(xp, part, not TWO)
-    gt = tl.zeros_like(lane).to(tl.float32)
+    gt = tl.zeros((32,), dtype=tl.float32)
     gb = gt
     ut = gt
     ub = gt
@@ -358,16 +316,9 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
             top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
             ut += top
             ub += bot
-    if CTA:
-        _gate_up_cta(hb_ptr, j, c, I, gt, gb, ut, ub, True, limit, HAS_LIMIT, SPLIT)
-        if TWO:
-            _gate_up_cta(hb_ptr, tl.maximum(j2, 0), c, I, gt2, gb2, ut2, ub2, j2 >= 0, limit, HAS_LIMIT, SPLIT)
-        return
     _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, True, SPLIT)
     if TWO:
         _gate_up_parts(part_ptr, j2, sk, I, c, g, t, gt2, gb2, ut2, ub2, j2 >= 0, SPLIT)
-    if NOFIN:
-        return
     tl.debug_barrier()
     _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT, SPLIT, SPLITP)
     if TWO:
@@ -377,19 +328,10 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
 
 @triton.jit
 def _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, ok, SPLIT: tl.constexpr):
-    """Pair j's K-part partials of row tile r (fp32, [pairs x SPLIT, D]), from rows g and g + 8 summed over
-    their fragment row's lanes."""
+    """Pair j's K-part partials of row tile r (fp32, [pairs x SPLIT, D])."""
     pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
-    tl.store(pp, top, mask=(t == 0) & ok)
-    tl.store(pp + 8, bot, mask=(t == 0) & ok)
-
-
-@triton.jit
-def _down_cta_parts(part_ptr, j, D, r, top, bot, ok, SPLIT: tl.constexpr):
-    """CTA: pair j's row tile r summed over the K parts of the program's warps (a fixed tree): [pairs, D]."""
-    i = tl.arange(0, 32)
-    _down_parts(part_ptr, j, 0, D, r, i // 4, i % 4, _warp_sum(_quad_sum(top), SPLIT), _warp_sum(_quad_sum(bot), SPLIT),
-                ok, 1)
+    tl.store(pp, _quad_sum(top), mask=(t == 0) & ok)
+    tl.store(pp + 8, _quad_sum(bot), mask=(t == 0) & ok)
 
 
 @triton.jit
@@ -428,8 +370,7 @@ def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TO
 @triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I,
                         TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
-                        TWO: tl.constexpr = False, PDL: tl.constexpr = False, CTA: tl.constexpr = False,
-                        NOFIN: tl.constexpr = False):
+                        TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B; TWO: the
     two pairs of row i of rows_ptr (one expert), a second mma from each decoded tile. Then `_down_finish`. PDL
@@ -438,12 +379,12 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
     been written before gate/up began (the host launches without PDL right after a repack); everything else is read
     and written after it. (In the sm_90 SASS only the scales and experts load before it: ptxas sinks the words' .nc
     loads below the wait. Loads kept above it, up to all of a part's tiles, were no faster: NOTES run 118.)"""
-    r, j, j2, sk, n_rt, ktt, kt = _mma_program(rows_ptr, I, SPLIT, TWO, CTA)
+    r, j, j2, sk, n_rt, ktt, kt = _mma_program(rows_ptr, I, SPLIT, TWO)
     if TWO:
         if j < 0:  # an empty row of the pair table
             return
     e = tl.load(e_ptr + j).to(tl.int64)
-    lane, g, t, gg, part = _lane_roles(32 * SPLIT if CTA else 32)
+    lane, g, t, gg, part = _lane_roles()
     tile0 = (e * n_rt + r) * ktt + sk * kt
     wp = w_ptr + (tile0 * 256 + lane * 4)
     sp = s_ptr + (tile0 * 64 + lane * 2)
@@ -460,7 +401,7 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
         z4, z5, z6, z7 = _mma_h(xq + 256)
     else:
         z0, z1, z2, z3, z4, z5, z6, z7 = x0, x1, x2, x3, x4, x5, x6, x7  # unused
-    top = tl.zeros_like(lane).to(tl.float32)
+    top = tl.zeros((32,), dtype=tl.float32)
     bot = top
     top2 = top
     bot2 = top
@@ -489,23 +430,15 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
             p, q = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y4, y5, y6, y7, gg, cb0, cb1)
             top += p
             bot += q
-    if CTA:  # the K parts summed here: the partials and counters then count whole pairs
-        _down_cta_parts(part_ptr, j, D, r, top, bot, True, SPLIT)
-        if TWO:
-            _down_cta_parts(part_ptr, tl.maximum(j2, 0), D, r, top2, bot2, j2 >= 0, SPLIT)
-    else:
-        _down_parts(part_ptr, j, sk, D, r, g, t, _quad_sum(top), _quad_sum(bot), True, SPLIT)
-        if TWO:
-            _down_parts(part_ptr, j2, sk, D, r, g, t, _quad_sum(top2), _quad_sum(bot2), j2 >= 0, SPLIT)
-    if NOFIN:
-        return
+    _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, True, SPLIT)
+    if TWO:
+        _down_parts(part_ptr, j2, sk, D, r, g, t, top2, bot2, j2 >= 0, SPLIT)
     tl.debug_barrier()
-    _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, 1 if CTA else SPLIT, TOPKP, SUM,
-                 HAS_ADD)
+    _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM, HAS_ADD)
     if TWO:
         if j2 >= 0:
-            _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j2, r, n_rt, D, TOPK, 1 if CTA else SPLIT,
-                         TOPKP, SUM, HAS_ADD)
+            _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j2, r, n_rt, D, TOPK, SPLIT, TOPKP, SUM,
+                         HAS_ADD)
 
 
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's

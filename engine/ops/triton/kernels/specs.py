@@ -250,10 +250,6 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down_two", moe_mma_down_kernel,
      _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
-    ("moe_mma_gate_up_cta", moe_mma_gate_up_kernel,  # MOE_MMA CTA: the K parts as the warps of one program
-     _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=4, SPLITP=4, CTA=True, PDL=PDL_AVAILABLE), 4, True),
-    ("moe_mma_down_cta", moe_mma_down_kernel,
-     _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, CTA=True, PDL=PDL_AVAILABLE), 2, True),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
