@@ -51,12 +51,9 @@ def main() -> None:
     ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
     ap.add_argument("--tiles", nargs="*", help="BLOCK_N,BLOCK_K,warps,PREFETCH,LOCAL[,UNROLL[,SPLIT]] each (default: "
                                                "TILES; SPLIT forces that K split, with no row narrowing)")
-    ap.add_argument("--stagger", action="store_true", help="each tile also with FP8_STREAM's STAGGER (each program "
-                                                            "starts at its own K step)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
-    staggers = (False, True) if a.stagger else (False,)
     tri = B.tri
     copy = B.copy_tbps()
     saved, saved_m, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_MAX_M, tri.FP8_STREAM_LONG["min_k"]
@@ -72,13 +69,12 @@ def main() -> None:
         xs = [torch.randn(1, g * k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = ws[0].nbytes() + g * k * 2 + n * 2
         want = B.ref.dequantize(ws[0], torch.float64)
-        for (bn, bk, nw, pf, local, *more), stagger in ((t, st) for t in tiles for st in staggers):
+        for bn, bk, nw, pf, local, *more in tiles:
             unroll = more[0] if more else 1
             force = more[1] if len(more) > 1 else 0  # a K split forced on the launch (and no row narrowing)
             tri.MIN_PROGRAMS = 1 if force else saved_min
             tri._k_chunk = (lambda k, _, step, f=force: k_chunk(k, f, step)) if force else k_chunk
-            tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=bool(pf), LOCAL=local, UNROLL=unroll,
-                                  STAGGER=stagger)
+            tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, PREFETCH=bool(pf), LOCAL=local, UNROLL=unroll)
             if g == 1:
                 fn = tri.linear
                 ref = (xs[0].double() @ want.T).flatten()
@@ -90,7 +86,7 @@ def main() -> None:
             ms = B.time_graph_ms(fn, list(zip(xs, ws, strict=True)))
             frac = nbytes / (ms * 1e-3) / 1e12 / copy
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "PREFETCH": bool(pf), "LOCAL": local,
-                   "UNROLL": unroll, "SPLIT": force or "auto", "STAGGER": stagger, "rows_launched": launched(bn, r, g)}
+                   "UNROLL": unroll, "SPLIT": force or "auto", "rows_launched": launched(bn, r, g)}
             runs.append({"shape": name, "cfg": cfg, "us": ms * 1e3, "frac": frac, "rel_err": err})
             print(f"{name:13s} {cfg}  {ms * 1e3:7.2f} us  {frac:.3f} of copy  err {err:.1e}", flush=True)
     tri.FP8_STREAM.clear()

@@ -32,18 +32,13 @@ TILES = [(16384, 4096, 4), (65536, 4096, 8), (65536, 8192, 8), (262144, 8192, 8)
 
 
 @triton.jit
-def read_kernel(src, out, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr, STAGGER: tl.constexpr = False):
-    """Program p sums the int32 words of bytes [p CHUNK, (p + 1) CHUNK) in BLOCK-byte steps (STAGGER: starting at
-    step p mod CHUNK / BLOCK and wrapping, so that at any moment the grid reads every offset of its chunks)."""
+def read_kernel(src, out, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p sums the int32 words of bytes [p CHUNK, (p + 1) CHUNK) in BLOCK-byte steps."""
     p = tl.program_id(0)
     base = src + p.to(tl.int64) * (CHUNK // 4)
     acc = tl.zeros((BLOCK // 4,), dtype=tl.int32)
-    shift = (p % (CHUNK // BLOCK)) * (BLOCK // 4)
     for k in range(0, CHUNK // 4, BLOCK // 4):
-        kk = k
-        if STAGGER:
-            kk = (k + shift) % (CHUNK // 4)
-        off = kk + tl.arange(0, BLOCK // 4)
+        off = k + tl.arange(0, BLOCK // 4)
         acc += tl.load(base + off, mask=p.to(tl.int64) * (CHUNK // 4) + off < n, other=0)
     tl.store(out + p, tl.sum(acc, axis=0))
 
@@ -114,8 +109,6 @@ def main() -> None:
     ap.add_argument("--sweep", help="comma-separated sizes in MB: try every tile of 8-64 KB a program, 2-16 KB a "
                                     "step, 16-128 bytes a thread a step, 1-8 warps (instead of TILES)")
     ap.add_argument("--tma", help="comma-separated sizes in MB: the TMA tiles beside the LDG ones (sm_90)")
-    ap.add_argument("--stagger", action="store_true", help="each tile also with its programs starting at staggered "
-                                                            "steps (read_kernel's STAGGER)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     if a.tma:
@@ -128,7 +121,6 @@ def main() -> None:
         sizes = [float(v) for v in a.sweep.split(",")]
         tiles = [(c, b, w) for c in (8192, 16384, 32768, 65536) for b in (2048, 4096, 8192, 16384)
                  for w in (1, 2, 4, 8) if b <= c and 16 <= b // (w * 32) <= 128]
-    tiles = [(*t, st) for t in tiles for st in ((False, True) if a.stagger else (False,))]
     copy = B.copy_tbps()
     rows = []
     for mb in sizes:
@@ -136,24 +128,22 @@ def main() -> None:
         copies = max(2, -(-240_000_000 // nbytes))
         bufs = [torch.randint(-1000, 1000, (nbytes // 4,), device="cuda", dtype=torch.int32) for _ in range(copies)]
         best = None
-        for chunk, block, warps, stagger in tiles:
+        for chunk, block, warps in tiles:
             grid = -(-nbytes // chunk)
             out = torch.empty(grid, device="cuda", dtype=torch.int32)
 
-            def fn(buf, chunk=chunk, block=block, warps=warps, grid=grid, out=out, stagger=stagger):
-                read_kernel[(grid,)](buf, out, buf.numel(), CHUNK=chunk, BLOCK=block, STAGGER=stagger,
-                                     num_warps=warps)
+            def fn(buf, chunk=chunk, block=block, warps=warps, grid=grid, out=out):
+                read_kernel[(grid,)](buf, out, buf.numel(), CHUNK=chunk, BLOCK=block, num_warps=warps)
 
             fn(bufs[0])
             torch.cuda.synchronize()
             assert out.sum().item() == bufs[0].sum().item()  # it read every word
             ms = B.time_graph_ms(fn, [(b,) for b in bufs])
             frac = nbytes / (ms * 1e-3) / 1e12 / copy
-            print(f"{mb:7.1f} MB chunk {chunk:6d} block {block:5d} warps {warps} stagger {int(stagger)}  "
-                  f"{ms * 1e3:8.2f} us  {frac:.3f} of copy", flush=True)
+            print(f"{mb:7.1f} MB chunk {chunk:6d} block {block:5d} warps {warps}  {ms * 1e3:8.2f} us  "
+                  f"{frac:.3f} of copy", flush=True)
             if best is None or frac > best["frac"]:
-                best = {"MB": mb, "us": ms * 1e3, "frac": frac, "chunk": chunk, "block": block, "warps": warps,
-                        "stagger": stagger}
+                best = {"MB": mb, "us": ms * 1e3, "frac": frac, "chunk": chunk, "block": block, "warps": warps}
         rows.append(best)
         del bufs
     print("best by size:", ", ".join(f"{r['MB']} MB {r['frac']:.3f}" for r in rows))

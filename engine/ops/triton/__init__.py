@@ -225,7 +225,7 @@ FP8_STREAM_MAX_M = 1
 # copy; a run's first timings can be 5-15% slower) at 32 x 256 with 4 warps, which without LOCAL was not better
 # than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster.
 FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
-              "PREFETCH": False, "LOCAL": 16, "STAGGER": False}
+              "PREFETCH": False, "LOCAL": 16}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
 # the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
 # expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
@@ -337,8 +337,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
                BLOCK_N=bn, BLOCK_K=bk, HW=hw, UNIFORM=uniform, UNROLL=c["UNROLL"], SPLIT=split, PREFETCH=prefetch,
-               SPLITP=_pow2(split, 1), LOCAL=local, STAGGER=bool(c["STAGGER"]) and not prefetch,
-               num_warps=c["num_warps"], **norm)
+               SPLITP=_pow2(split, 1), LOCAL=local, num_warps=c["num_warps"], **norm)
     else:
         _tile_matmul(x, wd, sd, y)
     return y
@@ -553,7 +552,7 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
 # decode of an expert's tile serves two tokens; the H200 (NOTES run 195): 7-8% slower at 4-8 tokens (the table's
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12, "STAGGER": False}
+MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -625,7 +624,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     _Launch(x)("moe_mma_gate_up_kernel", (inter // 16, p, split), x, words, scales, plan[3],
                plan[3] if rows is None else rows, part, _locks(x.device, p * inter // 16), hb, inter, d, plan[-1],
                float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), SPLIT=split, SPLITP=_pow2(split, 1),
-               TWO=rows is not None, PDL=_mma_pdl(x.device), STAGGER=bool(MOE_MMA["STAGGER"]), num_warps=1)
+               TWO=rows is not None, PDL=_mma_pdl(x.device), num_warps=1)
     return hb
 
 
@@ -642,7 +641,7 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
                 plan[3] if rows is None else rows, weights.contiguous().reshape(-1), part,
                 _locks(hb.device, (p // k if fused else p) * d // 16), c, c if add is None else add.contiguous(), d,
                 inter, k, SPLIT=split, TOPKP=_pow2(k, 1), SUM=fused, HAS_ADD=add is not None, TWO=rows is not None,
-                PDL=pdl, launch_pdl=pdl, STAGGER=bool(MOE_MMA["STAGGER"]), num_warps=1)
+                PDL=pdl, launch_pdl=pdl, num_warps=1)
     return c
 
 

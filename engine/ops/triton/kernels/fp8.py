@@ -203,7 +203,7 @@ def fp8_stream_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
     UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False, SPLITP: tl.constexpr = 1,
     nw_ptr=None, x_eps=0.0, X_NORM: tl.constexpr = False, XP: tl.constexpr = 1, glu_limit=0.0,
-    X_GLU: tl.constexpr = 0, LOCAL: tl.constexpr = 1, STAGGER: tl.constexpr = False,
+    X_GLU: tl.constexpr = 0, LOCAL: tl.constexpr = 1,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -261,13 +261,9 @@ def fp8_stream_kernel(
         k_end = tl.minimum(K, k_lo + K_CHUNK)  # the prefetch past this split's last tile reads nothing
         wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k_lo, k_end, r_ok, BLOCK_K, UNIFORM, True,
                                     nw_base, xr, X_NORM, K, glu_limit, X_GLU)
-    shift = ((pid_n + g) % (K_CHUNK // (BLOCK_K * UNROLL))) * (BLOCK_K * UNROLL)
     for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
-        kb = k0
-        if STAGGER:  # each program starts at its own step (not with PREFETCH: the host checks)
-            kb = k_lo + (k0 - k_lo + shift) % K_CHUNK
         for u in tl.static_range(UNROLL):
-            k = kb + u * BLOCK_K
+            k = k0 + u * BLOCK_K
             if PREFETCH:
                 nwb, nx, ns = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k + BLOCK_K, k_end, r_ok, BLOCK_K,
                                                UNIFORM, True, nw_base, xr, X_NORM, K, glu_limit, X_GLU)

@@ -258,7 +258,7 @@ def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT:
 @triton.jit
 def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
                            HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                           TWO: tl.constexpr = False, PDL: tl.constexpr = False, STAGGER: tl.constexpr = False):
+                           TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
     the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
     that token's x. TWO: program row i takes the two pairs of one expert in row i of rows_ptr, the second pair's x
@@ -284,10 +284,9 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
     if TWO:  # lanes of the lo part read the second pair's token (the first's again when there is none)
         tok = tl.where(part == 0, tok, tl.where(j2 < 0, tok, j2 // TOPK))
     xp = x_ptr + (tok.to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
-    rot = c % kt if STAGGER else 0
-    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, rot)
-    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, rot)
-    x0, x1, x2, x3 = _mma_x(xp + rot * 128, part, not TWO)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
+    x0, x1, x2, x3 = _mma_x(xp, part, not TWO)
     gt = tl.zeros((32,), dtype=tl.float32)
     gb = gt
     ut = gt
@@ -302,8 +301,6 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
         cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
         y0, y1, y2, y3 = x0, x1, x2, x3
         n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        if STAGGER:
-            n = (n + rot) % kt
         a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
         b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
         x0, x1, x2, x3 = _mma_x(xp + n * 128, part, not TWO)
@@ -373,7 +370,7 @@ def _down_finish(part_ptr, lock_ptr, wt_ptr, out_ptr, add_ptr, j, r, n_rt, D, TO
 @triton.jit
 def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr, lock_ptr, out_ptr, add_ptr, D, I,
                         TOPK, SPLIT: tl.constexpr, TOPKP: tl.constexpr, SUM: tl.constexpr, HAS_ADD: tl.constexpr,
-                        TWO: tl.constexpr = False, PDL: tl.constexpr = False, STAGGER: tl.constexpr = False):
+                        TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """A few tokens, one warp a program: (16-row tile r of D, pair j, K part sk) streams expert e_ptr[j]'s down
     rows over I / SPLIT (a power of two), two tiles a step, with hb (the gate/up kernel's split h) as B; TWO: the
     two pairs of row i of rows_ptr (one expert), a second mma from each decoded tile. Then `_down_finish`. PDL
@@ -392,17 +389,16 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
     wp = w_ptr + (tile0 * 256 + lane * 4)
     sp = s_ptr + (tile0 * 64 + lane * 2)
     xp = hb_ptr + (j * 2 * I + sk * kt * 256 + lane * 8)
-    rot = (2 * r) % kt if STAGGER else 0
-    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, rot)
-    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, rot)  # tile 1
+    a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, 0)  # tile 1
     if PDL:
         gdc_wait()  # gate/up (and every earlier launch) done and its writes visible: hb, the shared expert
-    x0, x1, x2, x3 = _mma_h(xp + rot * 256)
-    x4, x5, x6, x7 = _mma_h(xp + rot * 256 + 256)
+    x0, x1, x2, x3 = _mma_h(xp)
+    x4, x5, x6, x7 = _mma_h(xp + 256)
     if TWO:
         xq = hb_ptr + (tl.where(j2 < 0, j, j2) * 2 * I + sk * kt * 256 + lane * 8)  # the second pair's h
-        z0, z1, z2, z3 = _mma_h(xq + rot * 256)
-        z4, z5, z6, z7 = _mma_h(xq + rot * 256 + 256)
+        z0, z1, z2, z3 = _mma_h(xq)
+        z4, z5, z6, z7 = _mma_h(xq + 256)
     else:
         z0, z1, z2, z3, z4, z5, z6, z7 = x0, x1, x2, x3, x4, x5, x6, x7  # unused
     top = tl.zeros((32,), dtype=tl.float32)
@@ -416,8 +412,6 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
         y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
         u0, u1, u2, u3, u4, u5, u6, u7 = z0, z1, z2, z3, z4, z5, z6, z7
         n = tl.minimum(i + 2, kt - 2)  # the last step reloads its own tiles (unused)
-        if STAGGER:
-            n = (n + rot) % kt
         a0, a1, a2, a3, a4, a5, a6, a7, as0, as1 = _mma_tile_load(wp, sp, n)
         b0, b1, b2, b3, b4, b5, b6, b7, bs0, bs1 = _mma_tile_load(wp + 256, sp + 64, n)  # n + 1
         x0, x1, x2, x3 = _mma_h(xp + n * 256)
