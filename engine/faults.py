@@ -69,8 +69,45 @@ def sink_dropped(model) -> None:
         q, kv, torch.full_like(sink, -1e30), mask, scale, rotary))
 
 
+def moe_sum_order_varies(model) -> None:
+    """The routed experts' and the shared expert's outputs added in arrival order (float atomics, as a scatter-add
+    kernel does): a new order each call, so two identical runs differ in the last bits."""
+    base = model.ops.moe_experts
+
+    def moe_experts(x, w1, w3, w2, idx, weights, limit, shared=None):
+        parts = [base(x, w1, w3, w2, idx[:, j:j + 1], weights[:, j:j + 1], limit) for j in range(idx.shape[1])]
+        if shared is not None:
+            parts.append(shared() if callable(shared) else shared)
+        out = torch.zeros_like(parts[0])
+        for j in torch.randperm(len(parts)).tolist():  # the global generator, unseeded here: any order
+            out = out + parts[j]
+        return out
+
+    _wrap(model, "moe_experts", moe_experts)
+
+
+def kv_batch_stride_zero(model) -> None:
+    """Attention reads every sequence's keys from the batch's first one (a batch stride left at 0): a batch of one
+    is right, every other row attends to another sequence's context."""
+    base = model.ops.attention
+    _wrap(model, "attention", lambda q, kv, sink, mask, scale, rotary=None: base(
+        q, kv[:1].expand_as(kv), sink, mask, scale, rotary))
+
+
+def decode_position_off_by_one(model) -> None:
+    """A decode step rotates its token for position p + 1 (the cache length read after the append): a prefill is
+    right, every incrementally decoded token's RoPE angle is one position off."""
+    base = model.ops.rope_cos_sin
+
+    def rope_cos_sin(positions, inv_freq, align=1):
+        return base(positions + 1 if positions.shape[-1] == 1 else positions, inv_freq, align)
+
+    _wrap(model, "rope_cos_sin", rope_cos_sin)
+
+
 FAULTS: dict[str, Callable] = {f.__name__: f for f in (expert_scale_off_by_one, rope_twice, fp16_softmax_stats,
-                                                        sink_dropped)}
+                                                        sink_dropped, moe_sum_order_varies, kv_batch_stride_zero,
+                                                        decode_position_off_by_one)}
 
 
 def inject(model, name: str, **kwargs) -> None:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from pytest_cdna2.goldens import build_goldens
 
@@ -78,6 +79,77 @@ def test_attention_faults_are_caught(pytester, made, fault):
                   "--cdna2-engine=cdna2_engine.faults:load_faulty", env={"CDNA2_FAULT": fault})
     assert r.ret == 1
     r.stdout.fnmatch_lines(["*first drift at layer 0 attention*"])
+
+
+@pytest.mark.parametrize("fault,test,message", [
+    ("moe_sum_order_varies", "test_repeat_runs_are_bit_identical", "*two identical runs differ by*"),
+    ("kv_batch_stride_zero", "test_batch_of_one_matches_batch_of_many", "*the probe at row 1 of a batch of 4*"),
+    ("decode_position_off_by_one", "test_incremental_decode_matches_prefill", "*incremental decode differs*")])
+def test_determinism_faults_fail_their_check_alone(pytester, made, fault, test, message):
+    """Each determinism check fails on the bug it is there for, and only that check: float-atomic sums on
+    repeats, a batch-stride bug on the batch check (a batch of one, as the token tier runs, is right), a decode
+    position slip on the incremental check (a prefill is right)."""
+    r = run_suite(pytester, *made, "-m", "determinism", "--cdna2-engine=cdna2_engine.faults:load_faulty",
+                  env={"CDNA2_FAULT": fault})
+    r.assert_outcomes(failed=1, passed=2, skipped=1)  # skipped: device-vs-device (needs two devices)
+    r.stdout.fnmatch_lines([message, f"FAILED*::{test}*"])
+
+
+def _fp16_accumulating_linear(x, w, out_dtype=None, **_):
+    """A linear whose accumulator is fp16: one product added at a time, each sum rounded to fp16."""
+    from cdna2_engine.ops import reference
+
+    prods = (x.double().unsqueeze(-2) * reference.dequantize(w, torch.float64)).half()
+    acc = torch.zeros(prods.shape[:-1], dtype=torch.float16, device=x.device)
+    for k in range(prods.shape[-1]):
+        acc = acc + prods[..., k]
+    return acc.to(out_dtype or x.dtype)
+
+
+def _topk_ties_to_the_higher_index():
+    """A top-k that breaks ties by the higher index (the last in memory order wins)."""
+    from cdna2_engine.ops import reference
+
+    base = reference.topk
+
+    def topk(scores, k):
+        idx, margin = base(scores.flip(-1), k)
+        return scores.shape[-1] - 1 - idx, margin
+
+    return topk
+
+
+def _fp16_stats_attention():
+    from types import SimpleNamespace
+
+    from cdna2_engine import faults
+    from cdna2_engine.ops import reference
+
+    model = SimpleNamespace(ops=SimpleNamespace(attention=reference.attention, rope=reference.rope))
+    faults.fp16_softmax_stats(model)
+    return model.ops.attention
+
+
+@pytest.mark.parametrize("op,bad,test,message", [
+    ("linear", lambda: _fp16_accumulating_linear, "test_accumulation_is_fp32", "*accumulates in low precision*"),
+    ("attention", _fp16_stats_attention, "test_softmax_statistics_are_fp32",
+     "*softmax statistics are not kept in fp32*"),
+    ("topk", _topk_ties_to_the_higher_index, "test_topk_ties_go_to_the_lower_index",
+     "*ties broken by memory order*")])
+def test_numerics_policy_checks_fail_on_a_backend_that_breaks_them(pytester, monkeypatch, op, bad, test, message):
+    """The kernel tier's numerics-policy checks, which a correct CPU backend always passes, fail on an op that
+    breaks the policy (the reference backend's op replaced in this process)."""
+    from cdna2_engine.ops import reference
+
+    monkeypatch.setattr(reference, op, bad())
+    # In process, so that the run sees the replaced op; the kernel tier's module alone, which does not import Triton
+    # on the reference backend (pytester drops the modules a run imported, and a second import of Triton's native
+    # module aborts the process).
+    r = pytester.runpytest_inprocess(str(SUITE / "test_kernels.py"), "-p", "no:cacheprovider", "--cdna2-device=cpu",
+                                     "-q", "-m", "kernel", "-k", test)
+    outcomes = r.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 1 and "passed" not in outcomes, r.stdout.str()[-3000:]
+    r.stdout.fnmatch_lines([message, f"FAILED*::{test}*"])
 
 
 def test_bf16_profile_still_catches_a_wrong_expert_scale(pytester, made):
