@@ -223,6 +223,20 @@ def test_inline_ptx_follows_the_target(monkeypatch):
         assert {c.kwargs["PRMT"] for c in calls if c.kernel == "moe_gate_up_kernel" and c.kwargs["STREAM"]} == {prmt}
 
 
+def test_gfx90a_refuses_split_tiles_over_one_wavefront(monkeypatch):
+    """On gfx90a the split-K sum's barrier does not wait for other wavefronts' partial stores, so one wavefront must
+    store a split tile's partials: the one-token MoE down's in-launch sum over 128-row tiles is refused there, and
+    launched for sm_90 (where the barrier and the release are cumulative)."""
+    from cdna2_engine.ops import triton as tri
+
+    monkeypatch.setitem(tri.MOE_STREAM_DOWN, "BLOCK_N", 128)
+    monkeypatch.setitem(tri.MOE_MMA, "on", False)  # sm_90 takes the stream too
+    with pytest.raises(ValueError, match="MOE_STREAM_DOWN: a split-K tile of 128 partials on ROCm"):
+        isa.record_launches(isa.GFX90A, prompts=(8,), batches=(1,))
+    calls = isa.record_launches(isa.SM90, prompts=(8,), batches=(1,))
+    assert {c.kwargs["BLOCK_N"] for c in calls if c.kernel == "moe_down_kernel" and c.kwargs["SUM"]} == {128}
+
+
 def test_recording_restores_the_engine_even_when_it_fails(monkeypatch):
     """The launch recorder swaps three engine functions for the target's answers and puts them back, also when
     the model raises midway (later real runs in the process must launch for real, on their own device)."""

@@ -407,6 +407,46 @@ def test_attention_scans_and_splits(dtype, chunk, scan, gather, monkeypatch):
     assert rel(got, want) <= TOL[dtype]
 
 
+@pytest.fixture
+def mi200_fp16_dot(monkeypatch):
+    """Triton's interpreter with MI200's matrix-unit rule: fp16 dot operands under 2^-14 (subnormals) read as zero
+    (AMD: MI200's FP16 and BF16 MFMA instructions flush subnormal inputs; CUDA's tensor cores keep them)."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    base = InterpreterBuilder.create_dot
+
+    def flush(h):
+        if h.data.dtype != np.float16:
+            return h
+        return TensorHandle(np.where(np.abs(h.data) < 2.0**-14, np.float16(0), h.data), h.dtype)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot",
+                        lambda self, a, b, *rest: base(self, flush(a), flush(b), *rest))
+
+
+@pytest.mark.parametrize("chunk", [-1, 512])
+def test_fp16_attention_keeps_small_weights_on_mi200(chunk, mi200_fp16_dot, monkeypatch):
+    """One key at logit 0 and 4000 at -10: each of those weights, e^-10 = 4.5e-5, is an fp16 subnormal, together
+    15% of the softmax mass. With fp16 operands on a matrix unit that flushes subnormals (MI200, emulated), the
+    kernel still counts them: its weights enter the dot times 2^15 (a flushed numerator against the fp32 sum would
+    be about 15% off unsplit, 3-4% in the split holding the big key). Unsplit (-1) and split forms."""
+    monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
+    if chunk < 0:
+        monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)  # one program over every key
+    g = gen(660 + chunk)
+    ln, d = 4001, 32
+    kv = torch.randn(1, ln, d, generator=g)
+    kv[0, 0, 0], kv[0, 1:, 0] = 0.0, -10.0
+    q = torch.zeros(1, 1, 2, d)
+    q[..., 0] = 1.0  # logits q . k = kv[:, 0] exactly (scale 1)
+    sink = torch.full((2,), -30.0)
+    mask = torch.ones(1, 1, ln, dtype=torch.bool)
+    got = tri.attention(q.half(), kv.half(), sink, mask, 1.0)
+    want = ref.attention(q.double(), kv.half().double(), sink.double(), mask, 1.0)
+    assert rel(got, want) <= TOL[torch.float16], rel(got, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,t", [(1, 1, 5, 37), (2, 3, 17, 40)])
 def test_index_scores(dtype, b, s, h, t):

@@ -330,6 +330,8 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             args = (x, wd, sd, *args[3:9], wd.stride(0), *args[10:])
             hw = hw and not launch.cpu  # the word form's hardware conversion is inline PTX: not interpretable
         part = y if split == 1 else _empty(split, m, g, r, dtype=torch.float32, device=x.device)
+        if split > 1:
+            _split_tile_ok(x.device, bn, "FP8_STREAM")
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         norm = {} if x_norm is None else dict(nw_ptr=x_norm[0].contiguous(), x_eps=float(x_norm[1]), X_NORM=True,
                                               XP=_pow2(k))
@@ -685,6 +687,8 @@ def moe_down(h: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     d2, s2 = _packed(w2.data, words), _u8(w2.scale)
     c = _empty(h.shape[0], d, dtype=torch.float32, device=h.device)
     wts = weights.contiguous().reshape(-1)
+    if fused:
+        _split_tile_ok(h.device, bn, "MOE_STREAM_DOWN")
     locks = _locks(h.device, triton_cdiv(d, bn) if fused else 0)
     launch("moe_down_kernel", (triton_cdiv(d, bn), blk_e.numel()),
            h, d2, s2, c, pair_id, wts, blk_e, blk_lo, blk_hi,
@@ -789,6 +793,8 @@ def _dense_linear(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.
     y = _empty(m, n, dtype=out_dtype, device=x.device)
     part = _empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     tiles = triton_cdiv(m, bm) * blocks
+    if split > 1:
+        _split_tile_ok(x.device, bm * bn, "DENSE_GEMV")
     launch("dense_gemv_kernel", (tiles, split), x2, wd, y, part, _locks(x.device, tiles if split > 1 else 0),
            m, n, k, chunk, split,
            x2.stride(0), wd.stride(0), y.stride(0), part.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -848,6 +854,14 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 # Split launches have fewer tiles than their split targets (MIN_PROGRAMS, DENSE_GEMV["PROGRAMS"]), but the MoE's
 # tensor-core kernels have one counter per pair tile: 64 tokens x 6 pairs x 4096 rows / 16 (2 MB for all branches)
 LOCKS = 1 << 17
+
+
+def _split_tile_ok(device: torch.device, values: int, table: str) -> None:
+    """A split launch's tile of partials (`_split_sum`) on ROCm: at most one wavefront's worth (64), since there the
+    barrier before the arrival counter does not wait for other wavefronts' partial stores (kernels/__init__.py)."""
+    if _rocm(device) and values > 64:
+        raise ValueError(f"{table}: a split-K tile of {values} partials on ROCm, where one wavefront must store them "
+                         f"all (at most 64): use a narrower tile")
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
