@@ -7,7 +7,7 @@ Portability rules kept here (DESIGN.md sections 4 and 6):
   pattern whose value is the code's value times a power of two (small codes land on subnormals, which
   both targets keep: the ISA tier checks the denormal mode), and one exact multiply restores the value.
   The operand handed to a matrix unit is then a normal number (MI200 MFMA flushes fp16/bf16 subnormals).
-  Attention's softmax weights (<= 1) enter its fp16/bf16 dot times 2^15, so weights down to 2^-29 stay fp16
+  Attention's softmax weights (<= 1) enter its fp16 dot times 2^15, so weights down to 2^-29 stay fp16
   normals (tests/test_triton_kernels.py emulates the flush: unscaled, 4000 keys at e^-10 lost 29% of a row).
   Not covered: fp16 activations under 2^-14 and fp16 MoE weights (code x scale) under 2^-14 flush on MI200 (an
   activation's or a block's own size of error; bf16, the GPU default, reaches 2^-126).

@@ -33,8 +33,8 @@ def attention_kernel(
     logits, so the key loads do not wait for the mask's.
     SPLIT (decode, flash-decoding): program axis 0 is (position, split); each split covers CHUNK keys, starts
     from m = -1e30, l = 0 (no sink) and writes its unnormalised acc, m and l for attention_combine_kernel.
-    Not IEEE (fp16/bf16 q and kv): the softmax weights enter the dot times 2^15 (exact, undone after the loop),
-    so the small ones are not fp16 subnormals, which MI200's matrix units flush to zero.
+    fp16 q and kv: the softmax weights enter the dot times 2^15 (exact, undone after the loop), so the small ones
+    are not fp16 subnormals, which MI200's matrix units flush to zero.
     ROPE (the op's `rotary`, unsplit; attention_combine_kernel does it for SPLIT): the output is rounded, then
     un-rotated by cos/sin (float64 [B * S, HALF]) as rope(inverse) would do it in a launch of its own. (q's norm
     and RoPE stay in the op norm_rope, rope_kernel's NORM: done here by every split program, they cost each program
@@ -99,10 +99,12 @@ def attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
-            else:  # p <= 1, so p x 2^15 stays under fp16's 65504
+            elif kv.dtype == tl.float16:  # p <= 1, so p x 2^15 stays under fp16's 65504
                 acc = acc * alpha[:, None] + tl.dot((p * 32768.0).to(kv.dtype), kv)
+            else:  # bf16: its subnormals lie below 2^-126
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m_i = m_new
-    if not IEEE:
+    if kv_ptr.dtype.element_ty == tl.float16 and not IEEE:
         acc = acc * (1.0 / 32768.0)  # exact: the dots' 2^15 undone
     if SPLIT:
         # partials laid out [B, S, n_split, H, D] and [B, S, n_split, 2, H] (contiguous, fp32)
