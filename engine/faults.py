@@ -71,16 +71,21 @@ def sink_dropped(model) -> None:
 
 def moe_sum_order_varies(model) -> None:
     """The routed experts' and the shared expert's outputs added in arrival order (float atomics, as a scatter-add
-    kernel does): a new order each call, so two identical runs differ in the last bits."""
+    kernel does), which changes from call to call, so two identical runs differ in the last bits. Arrival order is
+    modelled as the addends rotated by one more place at each call of a layer (not drawn at random: with 3 addends,
+    the bundled model's 2 routed + shared, a random order would repeat in every layer once in 80 runs); it needs 3
+    or more, since a sum of two is the same in either order."""
     base = model.ops.moe_experts
+    calls: dict[int, int] = {}  # per layer (its down weights' id): how many times it has run
 
     def moe_experts(x, w1, w3, w2, idx, weights, limit, shared=None):
         parts = [base(x, w1, w3, w2, idx[:, j:j + 1], weights[:, j:j + 1], limit) for j in range(idx.shape[1])]
         if shared is not None:
             parts.append(shared() if callable(shared) else shared)
+        turn = calls[id(w2)] = calls.get(id(w2), -1) + 1
         out = torch.zeros_like(parts[0])
-        for j in torch.randperm(len(parts)).tolist():  # the global generator, unseeded here: any order
-            out = out + parts[j]
+        for j in range(len(parts)):
+            out = out + parts[(j + turn) % len(parts)]
         return out
 
     _wrap(model, "moe_experts", moe_experts)
@@ -95,14 +100,23 @@ def kv_batch_stride_zero(model) -> None:
 
 
 def decode_position_off_by_one(model) -> None:
-    """A decode step rotates its token for position p + 1 (the cache length read after the append): a prefill is
-    right, every incrementally decoded token's RoPE angle is one position off."""
-    base = model.ops.rope_cos_sin
+    """A decode step's RoPE angles are those of position p + 1 (the cache length read after the append): a prefill
+    is right, every incrementally decoded token is rotated one position off."""
+    base, decode = model.ops.rope_cos_sin, model.decode
+    decoding = []
 
     def rope_cos_sin(positions, inv_freq, align=1):
-        return base(positions + 1 if positions.shape[-1] == 1 else positions, inv_freq, align)
+        return base(positions + 1 if decoding else positions, inv_freq, align)
+
+    def decode_step(*args, **kwargs):
+        decoding.append(True)
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            decoding.pop()
 
     _wrap(model, "rope_cos_sin", rope_cos_sin)
+    model.decode = decode_step
 
 
 FAULTS: dict[str, Callable] = {f.__name__: f for f in (expert_scale_off_by_one, rope_twice, fp16_softmax_stats,

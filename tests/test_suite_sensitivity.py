@@ -86,8 +86,8 @@ def test_attention_faults_are_caught(pytester, made, fault):
     ("kv_batch_stride_zero", "test_batch_of_one_matches_batch_of_many", "*the probe at row 1 of a batch of 4*"),
     ("decode_position_off_by_one", "test_incremental_decode_matches_prefill", "*incremental decode differs*")])
 def test_determinism_faults_fail_their_check_alone(pytester, made, fault, test, message):
-    """Each determinism check fails on the bug it is there for, and only that check: float-atomic sums on
-    repeats, a batch-stride bug on the batch check (a batch of one, as the token tier runs, is right), a decode
+    """Each determinism check fails on the bug it is there for, and only that check of the tier: float-atomic sums
+    on repeats, a batch-stride bug on the batch check (a batch of one, as the token tier runs, is right), a decode
     position slip on the incremental check (a prefill is right)."""
     r = run_suite(pytester, *made, "-m", "determinism", "--cdna2-engine=cdna2_engine.faults:load_faulty",
                   env={"CDNA2_FAULT": fault})
@@ -95,15 +95,18 @@ def test_determinism_faults_fail_their_check_alone(pytester, made, fault, test, 
     r.stdout.fnmatch_lines([message, f"FAILED*::{test}*"])
 
 
-def _fp16_accumulating_linear(x, w, out_dtype=None, **_):
+def _fp16_accumulating_linear():
     """A linear whose accumulator is fp16: one product added at a time, each sum rounded to fp16."""
     from cdna2_engine.ops import reference
 
-    prods = (x.double().unsqueeze(-2) * reference.dequantize(w, torch.float64)).half()
-    acc = torch.zeros(prods.shape[:-1], dtype=torch.float16, device=x.device)
-    for k in range(prods.shape[-1]):
-        acc = acc + prods[..., k]
-    return acc.to(out_dtype or x.dtype)
+    def linear(x, w, out_dtype=None, **_):
+        prods = (x.double().unsqueeze(-2) * reference.dequantize(w, torch.float64)).half()
+        acc = torch.zeros(prods.shape[:-1], dtype=torch.float16, device=x.device)
+        for k in range(prods.shape[-1]):
+            acc = acc + prods[..., k]
+        return acc.to(out_dtype or x.dtype)
+
+    return linear
 
 
 def _topk_ties_to_the_higher_index():
@@ -120,6 +123,7 @@ def _topk_ties_to_the_higher_index():
 
 
 def _fp16_stats_attention():
+    """The reference attention with the catalog's fp16_softmax_stats fault applied."""
     from types import SimpleNamespace
 
     from cdna2_engine import faults
@@ -131,14 +135,14 @@ def _fp16_stats_attention():
 
 
 @pytest.mark.parametrize("op,bad,test,message", [
-    ("linear", lambda: _fp16_accumulating_linear, "test_accumulation_is_fp32", "*accumulates in low precision*"),
+    ("linear", _fp16_accumulating_linear, "test_accumulation_is_fp32", "*accumulates in low precision*"),
     ("attention", _fp16_stats_attention, "test_softmax_statistics_are_fp32",
      "*softmax statistics are not kept in fp32*"),
     ("topk", _topk_ties_to_the_higher_index, "test_topk_ties_go_to_the_lower_index",
      "*ties broken by memory order*")])
 def test_numerics_policy_checks_fail_on_a_backend_that_breaks_them(pytester, monkeypatch, op, bad, test, message):
     """The kernel tier's numerics-policy checks, which a correct CPU backend always passes, fail on an op that
-    breaks the policy (the reference backend's op replaced in this process)."""
+    breaks the policy (`bad()` makes it; the reference backend's op is replaced in this process)."""
     from cdna2_engine.ops import reference
 
     monkeypatch.setattr(reference, op, bad())

@@ -414,23 +414,25 @@ def mi200_fp16_dot(monkeypatch):
     import numpy as np
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
-    base = InterpreterBuilder.create_dot
+    base, fp16_dots = InterpreterBuilder.create_dot, []
 
     def flush(h):
         if h.data.dtype != np.float16:
             return h
+        fp16_dots.append(1)
         return TensorHandle(np.where(np.abs(h.data) < 2.0**-14, np.float16(0), h.data), h.dtype)
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot",
                         lambda self, a, b, *rest: base(self, flush(a), flush(b), *rest))
+    yield fp16_dots  # the fp16 operands it saw: a test asserts the emulation was reached
 
 
 @pytest.mark.parametrize("chunk", [-1, 512])
 def test_fp16_attention_keeps_small_weights_on_mi200(chunk, mi200_fp16_dot, monkeypatch):
     """One key at logit 0 and 4000 at -10: each of those weights, e^-10 = 4.5e-5, is an fp16 subnormal, together
     15% of the softmax mass. With fp16 operands on a matrix unit that flushes subnormals (MI200, emulated), the
-    kernel still counts them: its weights enter the dot times 2^15 (a flushed numerator against the fp32 sum would
-    be about 15% off unsplit, 3-4% in the split holding the big key). Unsplit (-1) and split forms."""
+    kernel still counts them: its weights enter the dot times 2^15 (unscaled, the flushed numerator against the
+    fp32 sum put the output 29% off unsplit, 3.6% with splits of 512 keys). Unsplit (-1) and split forms."""
     monkeypatch.setattr(tri, "ATTN_CHUNK", max(chunk, 0))
     if chunk < 0:
         monkeypatch.setattr(tri, "MIN_PROGRAMS", 1)  # one program over every key
@@ -444,6 +446,7 @@ def test_fp16_attention_keeps_small_weights_on_mi200(chunk, mi200_fp16_dot, monk
     mask = torch.ones(1, 1, ln, dtype=torch.bool)
     got = tri.attention(q.half(), kv.half(), sink, mask, 1.0)
     want = ref.attention(q.double(), kv.half().double(), sink.double(), mask, 1.0)
+    assert mi200_fp16_dot, "the kernel's fp16 dots did not reach the emulated matrix unit"
     assert rel(got, want) <= TOL[torch.float16], rel(got, want)
 
 

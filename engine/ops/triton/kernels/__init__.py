@@ -8,16 +8,18 @@ Portability rules kept here (DESIGN.md sections 4 and 6):
   both targets keep: the ISA tier checks the denormal mode), and one exact multiply restores the value.
   The operand handed to a matrix unit is then a normal number (MI200 MFMA flushes fp16/bf16 subnormals).
   Attention's softmax weights (<= 1) enter its fp16 dot times 2^15, so weights down to 2^-29 stay fp16
-  normals (tests/test_triton_kernels.py emulates the flush: unscaled, 4000 keys at e^-10 lost 29% of a row).
-  Not covered: fp16 activations under 2^-14 and fp16 MoE weights (code x scale) under 2^-14 flush on MI200 (an
-  activation's or a block's own size of error; bf16, the GPU default, reaches 2^-126).
+  normals (tests/test_triton_kernels.py emulates the flush: unscaled, a row with 15% of its mass in subnormal
+  weights came out 29% off). Not covered: fp16 activations under 2^-14 and fp16 MoE weights (code x scale)
+  under 2^-14 flush on MI200 (an activation's or a block's own size of error; bf16's subnormals, the GPU
+  default's, lie below 2^-126).
 - Every dot and reduction accumulates in fp32; fp32 operands use `input_precision="ieee"` (no tf32).
 - No lane-count literal: block sizes are constexpr and Triton maps them onto num_warps x 32 (CUDA) or
   num_warps x 64 (gfx90a) lanes.
 - Deterministic: no float atomics; split work is combined in a fixed order (`_split_sum` counts arrivals with
   integer atomics, and the last split adds all partials in split order). On gfx90a a split tile's partials must
-  be stored by one wavefront (<= 64 values; the launchers check): the barrier before the counter does not wait
-  for other wavefronts' stores there.
+  be stored by one wavefront: the barrier before the counter does not wait for other wavefronts' stores there.
+  The launchers refuse tiles of more than 64 values on ROCm, a proxy (Triton 3.9 stores the default tiles, of 8
+  to 64 values, from the first wavefront: checked in their AMDGCN).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ import triton.language as tl
 
 from .norm_rope import _rope_cs, _rope_tile, _rotate
 
+P16_SCALE: tl.constexpr = tl.constexpr(32768.0)  # fp16 softmax weights enter the dot times 2^15 (attention_kernel)
+
 
 @triton.jit
 def attention_kernel(
@@ -51,6 +53,7 @@ def attention_kernel(
         s_idx = tl.program_id(0)
         l_lo = 0
         l_hi = L
+    FP16: tl.constexpr = kv_ptr.dtype.element_ty == tl.float16
     s_idx = s_idx.to(tl.int64)  # row bases in int64: a long prefill's mask (S x L) and q (S x H x D) pass 2^31
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -99,13 +102,13 @@ def attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
-            elif kv.dtype == tl.float16:  # p <= 1, so p x 2^15 stays under fp16's 65504
-                acc = acc * alpha[:, None] + tl.dot((p * 32768.0).to(kv.dtype), kv)
+            elif FP16:  # p <= 1, so p x 2^15 stays under fp16's 65504
+                acc = acc * alpha[:, None] + tl.dot((p * P16_SCALE).to(kv.dtype), kv)
             else:  # bf16: its subnormals lie below 2^-126
                 acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m_i = m_new
-    if kv_ptr.dtype.element_ty == tl.float16 and not IEEE:
-        acc = acc * (1.0 / 32768.0)  # exact: the dots' 2^15 undone
+    if FP16 and not IEEE:
+        acc = acc * (1.0 / P16_SCALE)  # exact: the dots' 2^15 undone
     if SPLIT:
         # partials laid out [B, S, n_split, H, D] and [B, S, n_split, 2, H] (contiguous, fp32)
         row = (b * S + s_idx) * n_split + split
