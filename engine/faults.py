@@ -134,6 +134,9 @@ def load_faulty(path: str, *, device: str = "cpu", backend: str = "reference", *
     """An engine factory for `--cdna2-engine`: the bundled engine with the fault named by CDNA2_FAULT."""
     from . import load_model
 
+    name = os.environ.get("CDNA2_FAULT", "")
+    if not name:
+        raise ValueError(f"CDNA2_FAULT is not set: name the fault to inject, one of {sorted(FAULTS)}")
     model = load_model(path, device=device, backend=backend, **kwargs)
-    inject(model, os.environ.get("CDNA2_FAULT", ""))
+    inject(model, name)
     return model

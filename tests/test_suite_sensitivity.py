@@ -174,3 +174,18 @@ def test_the_bundled_goldens_pass_the_token_tier(pytester):
     r = run_suite(pytester, DEFAULT_MODEL, DEFAULT_GOLDENS, "-m", "token")
     r.assert_outcomes(passed=32)
 
+
+
+def test_load_faulty_names_the_fault_to_set(monkeypatch):
+    """`--cdna2-engine=cdna2_engine.faults:load_faulty` without CDNA2_FAULT, or with a name not in the catalog,
+    stops with the catalog's names rather than running an engine that is not broken."""
+    from cdna2_engine.faults import FAULTS, load_faulty
+    from pytest_cdna2.plugin import DEFAULT_MODEL
+
+    monkeypatch.delenv("CDNA2_FAULT", raising=False)
+    with pytest.raises(ValueError, match="CDNA2_FAULT is not set: name the fault to inject, one of") as unset:
+        load_faulty(str(DEFAULT_MODEL))
+    monkeypatch.setenv("CDNA2_FAULT", "rope_thrice")
+    with pytest.raises(ValueError, match="unknown fault 'rope_thrice'") as unknown:
+        load_faulty(str(DEFAULT_MODEL))
+    assert all(name in str(e.value) for e in (unset, unknown) for name in FAULTS)
