@@ -22,6 +22,7 @@ reader sees the old store or the new one, never half of one; an existing store i
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -381,15 +382,21 @@ class GoldenStore:
 GREEDY_VS_TEACHER_RTOL_FLOAT64 = 1e-9
 
 
+@functools.cache
+def _decode_limit(dtype: str) -> float:
+    """The bundled profile's prefill-vs-decode limit for dtype (read once, not once a prompt)."""
+    from pytest_cdna2.tolerance import load_profile
+
+    return load_profile(dtype=dtype).determinism.incremental_max_abs
+
+
 def greedy_mismatch(teacher: torch.Tensor, greedy: torch.Tensor, dtype: str) -> str | None:
     """Why greedy logits [S, V] do not match the teacher-forced logits [S, V] at their positions, or None."""
     diff = (teacher.double() - greedy.double()).abs().max(dim=-1).values
     if dtype.removeprefix("torch.") == "float64":
         limit = GREEDY_VS_TEACHER_RTOL_FLOAT64 * max(1.0, teacher.abs().max().item())
     else:
-        from pytest_cdna2.tolerance import load_profile
-
-        limit = load_profile(dtype=dtype.removeprefix("torch.")).determinism.incremental_max_abs
+        limit = _decode_limit(dtype.removeprefix("torch."))
     bad = (diff > limit).nonzero()
     if not len(bad):
         return None

@@ -175,7 +175,6 @@ def test_the_bundled_goldens_pass_the_token_tier(pytester):
     r.assert_outcomes(passed=32)
 
 
-
 def test_load_faulty_names_the_fault_to_set(monkeypatch):
     """`--cdna2-engine=cdna2_engine.faults:load_faulty` without CDNA2_FAULT, or with a name not in the catalog,
     stops with the catalog's names rather than running an engine that is not broken."""
