@@ -1,0 +1,130 @@
+"""Does the one-token FP8 stream lose to a read-only launch (0.74 against 0.82-0.84 of copy at wq_b's 33.6 MB) by
+its weight layout or by its work? One small stream kernel, timed in two layouts of the same bytes and three
+modes, beside the engine's own launch at the same tile:
+
+- layout `row`: the checkpoint's row-major W, each step reading BLOCK_N pieces of BLOCK_K bytes a row apart (as
+  the engine does); `blocked`: W stored tile by tile, [R / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K], so each step
+  reads one contiguous BLOCK_N x BLOCK_K run (the read probe's best shapes: 2-16 KB a step);
+- mode `full`: decode, x * block scale, fp32 FMAs, LOCAL adjacent products summed in the thread (the engine's
+  work); `no_x`: the same without x (the block scale alone: no x load and no shared-memory layout change of x a
+  step); `bytes`: the weight bytes summed as integers (the loads alone, in the same tile structure).
+
+    python bench/probe_fp8_blocked.py [--out DIR]      # on the GPU machine (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_kernels as B  # noqa: E402
+
+from cdna2_engine.ops.triton.kernels.base import _e8m0  # noqa: E402
+
+SHAPES = [("wq_b", 32768, 1024), ("wo_a flat", 8192, 4096)]  # (name, R, K): the two one-token FP8 goals' bytes
+TILES = [(32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 256, 8), (32, 512, 8), (16, 1024, 8)]
+LOCAL = 16
+MODES = {"full": 0, "no_x": 1, "bytes": 2}
+
+
+@triton.jit
+def stream_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  LOCAL: tl.constexpr, BLOCKED: tl.constexpr, MODE: tl.constexpr):
+    """y[r] = sum_k W[r, k] * x[k] * scale for the BLOCK_N rows of program 0's index (MODE 0); MODE 1 leaves x
+    out, MODE 2 sums the bytes. BLOCKED: program p's rows are stored as K / BLOCK_K contiguous tiles."""
+    p = tl.program_id(0)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_K)
+    if BLOCKED:
+        w_at = w_ptr + p.to(tl.int64) * BLOCK_N * K + r[:, None] * BLOCK_K + c[None, :]
+        step = BLOCK_N * BLOCK_K
+    else:
+        w_at = w_ptr + (p * BLOCK_N + r).to(tl.int64)[:, None] * K + c[None, :]
+        step = BLOCK_K
+    s_at = s_ptr + (p * BLOCK_N // 128) * stride_sn
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
+    for i in range(0, K // BLOCK_K):
+        wb = tl.load(w_at + i * step)
+        if MODE == 2:
+            acc += tl.sum(tl.reshape(wb.to(tl.int32), (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
+        else:
+            k = i * BLOCK_K + c
+            xs = _e8m0(tl.load(s_at + k // 128), 0)
+            if MODE == 0:
+                xs = xs * tl.load(x_ptr + k).to(tl.float32)
+            w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            acc += tl.sum(tl.reshape(w * xs[None, :], (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
+    tl.store(y_ptr + p * BLOCK_N + r, tl.sum(acc, axis=1).to(tl.float32))
+
+
+def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """W [R, K] bytes stored tile by tile: [R / bn, K / bk, bn, bk] contiguous."""
+    r, k = w.shape
+    return w.view(r // bn, bn, k // bk, bk).permute(0, 2, 1, 3).contiguous()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    tri = B.tri
+    copy = B.copy_tbps()
+    saved, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_LONG["min_k"]
+    tri.FP8_STREAM_LONG["min_k"] = 1 << 62  # the engine's launch at each tile as given
+    runs = []
+    for name, r, k in SHAPES:
+        copies = max(2, -(-240_000_000 // (r * k)))
+        ws = [B.fp8_weight(r, k) for _ in range(copies)]
+        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        nbytes = ws[0].nbytes() + k * 2 + r * 4
+        want = (xs[0].double() @ B.ref.dequantize(ws[0], torch.float64).T).flatten()
+        for bn, bk, nw in TILES:
+            tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, LOCAL=LOCAL, PREFETCH=False, UNROLL=1)
+            ms = B.time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
+            err = B.rel(tri.linear(xs[0], ws[0]).flatten(), want)
+            row = {"shape": name, "tile": [bn, bk, nw], "form": "engine", "us": ms * 1e3,
+                   "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
+            runs.append(row)
+            print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} engine        {row['us']:7.2f} us {row['frac']:.3f}  "
+                  f"err {err:.1e}", flush=True)
+            for lay in ("row", "blocked"):
+                wl = [blocked(w.data.view(torch.uint8), bn, bk) if lay == "blocked" else w.data.view(torch.uint8)
+                      for w in ws]
+                ys = [torch.full((r,), float("nan"), device="cuda") for _ in ws]
+                for mode, m in MODES.items():
+                    def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k):
+                        stream_kernel[(r // bn,)](x, w, s, y, k, s.stride(0), BLOCK_N=bn, BLOCK_K=bk, LOCAL=LOCAL,
+                                                  BLOCKED=lay == "blocked", MODE=m, num_warps=nw)
+
+                    args = [(x, w2, w.scale.view(torch.uint8), y) for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
+                    fn(*args[0])
+                    err = B.rel(ys[0], want) if m == 0 else None
+                    if m == 0 and not err <= 1e-5:  # fp32 sums of the same products: far inside 1e-5
+                        raise SystemExit(f"{name} {lay} {bn}x{bk}: rel err {err} against float64")
+                    ms = B.time_graph_ms(fn, args)
+                    row = {"shape": name, "tile": [bn, bk, nw], "form": f"{lay} {mode}", "us": ms * 1e3,
+                           "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
+                    runs.append(row)
+                    print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} {lay:7s} {mode:5s} {row['us']:7.2f} us "
+                          f"{row['frac']:.3f}", flush=True)
+                del wl
+    tri.FP8_STREAM.clear()
+    tri.FP8_STREAM.update(saved)
+    tri.FP8_STREAM_LONG["min_k"] = saved_long
+    with open(os.path.join(a.out, "probe_fp8_blocked.json"), "w") as f:
+        json.dump({"copy_TBps": copy, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
