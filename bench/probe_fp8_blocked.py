@@ -10,6 +10,7 @@ modes, beside the engine's own launch at the same tile:
   step); `bytes`: the weight bytes summed as integers (the loads alone, in the same tile structure).
 
     python bench/probe_fp8_blocked.py [--out DIR]      # on the GPU machine (~1 min)
+    python bench/probe_fp8_blocked.py --tiles 8,256,1 4,512,1 --modes full,bytes --shapes wq_b
 """
 
 from __future__ import annotations
@@ -76,20 +77,28 @@ def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiles", nargs="*", help="BLOCK_N,BLOCK_K,warps each (default: TILES)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all)")
+    ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
+    modes = {m: MODES[m] for m in a.modes.split(",")}
+    shapes = [s for s in SHAPES if s[0] in a.shapes.split(",")] if a.shapes else SHAPES
     tri = B.tri
+    for _ in range(3):  # the clocks up before anything is timed (a run's first timings come out 5-15% slower)
+        B.copy_tbps()
     copy = B.copy_tbps()
     saved, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_LONG["min_k"]
     tri.FP8_STREAM_LONG["min_k"] = 1 << 62  # the engine's launch at each tile as given
     runs = []
-    for name, r, k in SHAPES:
+    for name, r, k in shapes:
         copies = max(2, -(-240_000_000 // (r * k)))
         ws = [B.fp8_weight(r, k) for _ in range(copies)]
         xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = ws[0].nbytes() + k * 2 + r * 4
         want = (xs[0].double() @ B.ref.dequantize(ws[0], torch.float64).T).flatten()
-        for bn, bk, nw in TILES:
+        for bn, bk, nw in tiles:
             tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, LOCAL=LOCAL, PREFETCH=False, UNROLL=1)
             ms = B.time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
             err = B.rel(tri.linear(xs[0], ws[0]).flatten(), want)
@@ -102,7 +111,7 @@ def main() -> None:
                 wl = [blocked(w.data.view(torch.uint8), bn, bk) if lay == "blocked" else w.data.view(torch.uint8)
                       for w in ws]
                 ys = [torch.full((r,), float("nan"), device="cuda") for _ in ws]
-                for mode, m in MODES.items():
+                for mode, m in modes.items():
                     def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k):
                         stream_kernel[(r // bn,)](x, w, s, y, k, s.stride(0), BLOCK_N=bn, BLOCK_K=bk, LOCAL=LOCAL,
                                                   BLOCKED=lay == "blocked", MODE=m, num_warps=nw)
