@@ -32,39 +32,82 @@ from cdna2_engine.ops.triton.kernels.base import _e8m0  # noqa: E402
 SHAPES = [("wq_b", 32768, 1024), ("wo_a flat", 8192, 4096)]  # (name, R, K): the two one-token FP8 goals' bytes
 TILES = [(32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 256, 8), (32, 512, 8), (16, 1024, 8)]
 LOCAL = 16
-MODES = {"full": 0, "no_x": 1, "bytes": 2}
+MODES = {"full": 0, "no_x": 1, "bytes": 2, "words": 3}
+
+
+@triton.jit
+def _step(w_at, x_ptr, s_at, i, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WK: tl.constexpr,
+          MODE: tl.constexpr, step, MASK: tl.constexpr):
+    """Step i's raw loads (MASK: nothing from step n on): W bytes (MODE 3: int32 words), and for MODEs 0-1 the
+    block scales of its columns and (MODE 0) x."""
+    k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (k < n * BLOCK_K) | (not MASK)  # MASK False: all true, folded away
+    okw = ((i * WK + tl.arange(0, WK)) < n * WK)[None, :] & (tl.arange(0, BLOCK_N) >= 0)[:, None]
+    if MASK:
+        wb = tl.load(w_at + i * step, mask=okw, other=0)
+    else:
+        wb = tl.load(w_at + i * step)
+    if MODE <= 1:
+        s = tl.load(s_at + k // 128, mask=ok, other=0)
+    else:
+        s = tl.zeros((BLOCK_K,), dtype=tl.uint8)
+    if MODE == 0:
+        x = tl.load(x_ptr + k, mask=ok, other=0.0)
+    else:
+        x = tl.zeros((BLOCK_K,), dtype=tl.bfloat16)
+    return wb, s, x
+
+
+@triton.jit
+def _use(acc, wb, s, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr):
+    if MODE == 2:
+        acc += tl.sum(tl.reshape(wb.to(tl.int32), (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
+    elif MODE == 3:
+        acc += wb
+    else:
+        xs = _e8m0(s, 0)
+        if MODE == 0:
+            xs = xs * x.to(tl.float32)
+        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc += tl.sum(tl.reshape(w * xs[None, :], (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
+    return acc
 
 
 @triton.jit
 def stream_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  LOCAL: tl.constexpr, BLOCKED: tl.constexpr, MODE: tl.constexpr):
-    """y[r] = sum_k W[r, k] * x[k] * scale for the BLOCK_N rows of program 0's index (MODE 0); MODE 1 leaves x
-    out, MODE 2 sums the bytes. BLOCKED: program p's rows are stored as K / BLOCK_K contiguous tiles."""
+                  LOCAL: tl.constexpr, BLOCKED: tl.constexpr, MODE: tl.constexpr, PIPE: tl.constexpr):
+    """y[r] = sum_k W[r, k] * x[k] * scale for program p's BLOCK_N rows (MODE 0); MODE 1 leaves x out, MODE 2
+    sums the bytes, MODE 3 the int32 words (w_ptr then addresses words: the read probe's work). BLOCKED: program
+    p's rows are stored as K / BLOCK_K contiguous tiles. PIPE: step i + 1's loads issued before step i's work."""
     p = tl.program_id(0)
     r = tl.arange(0, BLOCK_N)
-    c = tl.arange(0, BLOCK_K)
+    WK: tl.constexpr = BLOCK_K // 4 if MODE == 3 else BLOCK_K  # W elements a row a step
+    c = tl.arange(0, WK)
+    KW = K // 4 if MODE == 3 else K
     if BLOCKED:
-        w_at = w_ptr + p.to(tl.int64) * BLOCK_N * K + r[:, None] * BLOCK_K + c[None, :]
-        step = BLOCK_N * BLOCK_K
+        w_at = w_ptr + p.to(tl.int64) * BLOCK_N * KW + r[:, None] * WK + c[None, :]
+        step = BLOCK_N * WK
     else:
-        w_at = w_ptr + (p * BLOCK_N + r).to(tl.int64)[:, None] * K + c[None, :]
-        step = BLOCK_K
+        w_at = w_ptr + (p * BLOCK_N + r).to(tl.int64)[:, None] * KW + c[None, :]
+        step = WK
     s_at = s_ptr + (p * BLOCK_N // 128) * stride_sn
-    if MODE == 2:
+    if MODE == 3:
+        acc = tl.zeros((BLOCK_N, WK), dtype=tl.int32)
+    elif MODE == 2:
         acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
-    for i in range(0, K // BLOCK_K):
-        wb = tl.load(w_at + i * step)
-        if MODE == 2:
-            acc += tl.sum(tl.reshape(wb.to(tl.int32), (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
-        else:
-            k = i * BLOCK_K + c
-            xs = _e8m0(tl.load(s_at + k // 128), 0)
-            if MODE == 0:
-                xs = xs * tl.load(x_ptr + k).to(tl.float32)
-            w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            acc += tl.sum(tl.reshape(w * xs[None, :], (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
+    n = K // BLOCK_K
+    if PIPE:
+        wb, s, x = _step(w_at, x_ptr, s_at, 0, n, BLOCK_N, BLOCK_K, WK, MODE, step, False)
+        for i in range(0, n):
+            nwb, ns, nx = _step(w_at, x_ptr, s_at, i + 1, n, BLOCK_N, BLOCK_K, WK, MODE, step, True)
+            acc = _use(acc, wb, s, x, BLOCK_N, BLOCK_K, LOCAL, MODE)
+            wb, s, x = nwb, ns, nx
+    else:
+        for i in range(0, n):
+            wb, s, x = _step(w_at, x_ptr, s_at, i, n, BLOCK_N, BLOCK_K, WK, MODE, step, False)
+            acc = _use(acc, wb, s, x, BLOCK_N, BLOCK_K, LOCAL, MODE)
     tl.store(y_ptr + p * BLOCK_N + r, tl.sum(acc, axis=1).to(tl.float32))
 
 
@@ -80,6 +123,8 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="*", help="BLOCK_N,BLOCK_K,warps each (default: TILES)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all)")
     ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
+    ap.add_argument("--layouts", default="row,blocked", help="comma-separated layouts (default: row,blocked)")
+    ap.add_argument("--pipe", default="0", help="comma-separated PIPE values (0: none, 1: next step's loads first)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
@@ -107,25 +152,27 @@ def main() -> None:
             runs.append(row)
             print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} engine        {row['us']:7.2f} us {row['frac']:.3f}  "
                   f"err {err:.1e}", flush=True)
-            for lay in ("row", "blocked"):
+            for lay in a.layouts.split(","):
                 wl = [blocked(w.data.view(torch.uint8), bn, bk) if lay == "blocked" else w.data.view(torch.uint8)
                       for w in ws]
                 ys = [torch.full((r,), float("nan"), device="cuda") for _ in ws]
-                for mode, m in modes.items():
-                    def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k):
+                for (mode, m), pipe in ((mm, int(pp)) for mm in modes.items() for pp in a.pipe.split(",")):
+                    def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k, pipe=pipe):
                         stream_kernel[(r // bn,)](x, w, s, y, k, s.stride(0), BLOCK_N=bn, BLOCK_K=bk, LOCAL=LOCAL,
-                                                  BLOCKED=lay == "blocked", MODE=m, num_warps=nw)
+                                                  BLOCKED=lay == "blocked", MODE=m, PIPE=bool(pipe), num_warps=nw)
 
-                    args = [(x, w2, w.scale.view(torch.uint8), y) for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
+                    args = [(x, w2.view(torch.int32) if m == 3 else w2, w.scale.view(torch.uint8), y)
+                            for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
                     fn(*args[0])
                     err = B.rel(ys[0], want) if m == 0 else None
                     if m == 0 and not err <= 1e-5:  # fp32 sums of the same products: far inside 1e-5
-                        raise SystemExit(f"{name} {lay} {bn}x{bk}: rel err {err} against float64")
+                        raise SystemExit(f"{name} {lay} {bn}x{bk} pipe {pipe}: rel err {err} against float64")
                     ms = B.time_graph_ms(fn, args)
-                    row = {"shape": name, "tile": [bn, bk, nw], "form": f"{lay} {mode}", "us": ms * 1e3,
+                    form = f"{lay} {mode}" + (" pipe" if pipe else "")
+                    row = {"shape": name, "tile": [bn, bk, nw], "form": form, "us": ms * 1e3,
                            "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
                     runs.append(row)
-                    print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} {lay:7s} {mode:5s} {row['us']:7.2f} us "
+                    print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} {form:18s} {row['us']:7.2f} us "
                           f"{row['frac']:.3f}", flush=True)
                 del wl
     tri.FP8_STREAM.clear()
