@@ -57,8 +57,9 @@ if SMALL:
     HID, INTER, N_EXP, TOPK = 256, 128, 8, 2
     HEADS, HEAD_DIM, Q_LORA, O_GROUPS, O_LORA = 4, 64, 128, 2, 128
 L2_BYTES = 60e6
-# Seconds of graph replays before each timing: the first timing after a compile (the GPU idle for its ~1 s) came
-# out 4-6% slower than the same launch timed again right after (bench/probe_fp8_blocked.py, NOTES run 216).
+# Seconds of graph replays before each timing: the first timing of a fresh set of weights came out 4-6% slower than
+# the same launch timed again right after (bench/probe_fp8_blocked.py, NOTES run 216), and not with these replays
+# (run 218). Not the clocks: after 1 s of idle, 0-2 s of replays moved a timing less than run-to-run noise (run 220).
 WARM_S = 0.05
 MOE_TOKENS = (1, 4) if SMALL else (1, 4, 8, 16, 64)  # the MoE's token counts (issue 3: M = 1, 4, 16, 64; 8:
 # MOE_MMA's TWO_MIN_T)
