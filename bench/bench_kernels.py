@@ -136,7 +136,7 @@ def time_graph_ms(fn, args_list, replays: int = 30) -> float:
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARM_S:  # the clocks back up after the host's compile and capture
+    while time.perf_counter() - t0 < WARM_S:  # the first timing of fresh weights is slow (runs 216, 218)
         graph.replay()
         torch.cuda.synchronize()
     times = []

@@ -1,13 +1,16 @@
 """Does the one-token FP8 stream lose to a read-only launch (0.74 against 0.82-0.84 of copy at wq_b's 33.6 MB) by
-its weight layout or by its work? One small stream kernel, timed in two layouts of the same bytes and three
-modes, beside the engine's own launch at the same tile:
+its weight layout or by its work? One small stream kernel, timed in two layouts of the same bytes and four
+modes, beside the engine's own launch at the same tile (which narrows row tiles to 16 where fewer than
+MIN_PROGRAMS programs would run, as on wo_a's 8192 rows: its rows are then not the same tile):
 
 - layout `row`: the checkpoint's row-major W, each step reading BLOCK_N pieces of BLOCK_K bytes a row apart (as
   the engine does); `blocked`: W stored tile by tile, [R / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K], so each step
   reads one contiguous BLOCK_N x BLOCK_K run (the read probe's best shapes: 2-16 KB a step);
 - mode `full`: decode, x * block scale, fp32 FMAs, LOCAL adjacent products summed in the thread (the engine's
   work); `no_x`: the same without x (the block scale alone: no x load and no shared-memory layout change of x a
-  step); `bytes`: the weight bytes summed as integers (the loads alone, in the same tile structure).
+  step); `bytes`: the weight bytes widened to int32 and summed as the full work sums its products (no decode or
+  x, but a byte unpack a code); `words`: the weight loaded as int32 words and summed as they are (the read probe's
+  own work, the loads nearly alone). Every mode's output is checked (float64, or the integer row sums).
 
     python bench/probe_fp8_blocked.py [--out DIR]      # on the GPU machine (~1 min)
     python bench/probe_fp8_blocked.py --tiles 8,256,1 4,512,1 --modes full,bytes --shapes wq_b
@@ -30,6 +33,8 @@ import bench_kernels as B  # noqa: E402
 from cdna2_engine.ops.triton.kernels.base import _e8m0  # noqa: E402
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_a flat", 8192, 4096)]  # (name, R, K): the two one-token FP8 goals' bytes
+if B.SMALL:  # CPU smoke run (--small): the interpreter, small shapes
+    SHAPES = [("wq_b", 256, 512), ("wo_a flat", 128, 1024)]
 TILES = [(32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 256, 8), (32, 512, 8), (16, 1024, 8)]
 LOCAL = 16
 MODES = {"full": 0, "no_x": 1, "bytes": 2, "words": 3}
@@ -125,24 +130,28 @@ def main() -> None:
     ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
     ap.add_argument("--layouts", default="row,blocked", help="comma-separated layouts (default: row,blocked)")
     ap.add_argument("--pipe", default="0", help="comma-separated PIPE values (0: none, 1: next step's loads first)")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, small shapes (read at import)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
     modes = {m: MODES[m] for m in a.modes.split(",")}
     shapes = [s for s in SHAPES if s[0] in a.shapes.split(",")] if a.shapes else SHAPES
     tri = B.tri
-    for _ in range(3):  # the clocks up before anything is timed (a run's first timings come out 5-15% slower)
-        B.copy_tbps()
     copy = B.copy_tbps()
     saved, saved_long = dict(tri.FP8_STREAM), tri.FP8_STREAM_LONG["min_k"]
     tri.FP8_STREAM_LONG["min_k"] = 1 << 62  # the engine's launch at each tile as given
     runs = []
     for name, r, k in shapes:
-        copies = max(2, -(-240_000_000 // (r * k)))
+        copies = 2 if B.SMALL else max(2, -(-240_000_000 // (r * k)))
         ws = [B.fp8_weight(r, k) for _ in range(copies)]
-        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        xs = [torch.randn(1, k, device=B.DEV, dtype=B.ACT) for _ in range(copies)]
         nbytes = ws[0].nbytes() + k * 2 + r * 4
-        want = (xs[0].double() @ B.ref.dequantize(ws[0], torch.float64).T).flatten()
+        wf = B.ref.dequantize(ws[0], torch.float64)
+        wb0 = ws[0].data.view(torch.uint8)
+        wants = {0: (xs[0].double() @ wf.T).flatten(), 1: wf.sum(1),  # no_x: x = 1
+                 2: wb0.sum(1, dtype=torch.int64).double(),
+                 3: wb0.view(torch.int32).sum(1, dtype=torch.int64).remainder(1 << 32).double()}  # int32 wraps
+        want = wants[0]
         for bn, bk, nw in tiles:
             tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, LOCAL=LOCAL, PREFETCH=False, UNROLL=1)
             ms = B.time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
@@ -155,7 +164,7 @@ def main() -> None:
             for lay in a.layouts.split(","):
                 wl = [blocked(w.data.view(torch.uint8), bn, bk) if lay == "blocked" else w.data.view(torch.uint8)
                       for w in ws]
-                ys = [torch.full((r,), float("nan"), device="cuda") for _ in ws]
+                ys = [torch.full((r,), float("nan"), device=B.DEV) for _ in ws]
                 for (mode, m), pipe in ((mm, int(pp)) for mm in modes.items() for pp in a.pipe.split(",")):
                     def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k, pipe=pipe):
                         stream_kernel[(r // bn,)](x, w, s, y, k, s.stride(0), BLOCK_N=bn, BLOCK_K=bk, LOCAL=LOCAL,
@@ -164,9 +173,12 @@ def main() -> None:
                     args = [(x, w2.view(torch.int32) if m == 3 else w2, w.scale.view(torch.uint8), y)
                             for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
                     fn(*args[0])
-                    err = B.rel(ys[0], want) if m == 0 else None
-                    if m == 0 and not err <= 1e-5:  # fp32 sums of the same products: far inside 1e-5
-                        raise SystemExit(f"{name} {lay} {bn}x{bk} pipe {pipe}: rel err {err} against float64")
+                    got = ys[0].double()
+                    if m == 3:  # the int32 sum as fp32, read back to its residue mod 2^32
+                        got = got.remainder(1 << 32)
+                    err = B.rel(got, wants[m])
+                    if not err <= 1e-5:  # fp32 sums of the same products, or an integer rounded once to fp32
+                        raise SystemExit(f"{name} {lay} {mode} {bn}x{bk} pipe {pipe}: rel err {err} against its check")
                     ms = B.time_graph_ms(fn, args)
                     form = f"{lay} {mode}" + (" pipe" if pipe else "")
                     row = {"shape": name, "tile": [bn, bk, nw], "form": form, "us": ms * 1e3,

@@ -1,7 +1,8 @@
 """How a timing depends on what the GPU did just before it: the one-token MXFP4 pair and the FP8 wq_b, each timed
 by `time_graph_ms` after 1 s of idle (as after a compile) with 0 to 2 s of graph replays first (WARM_S), rounds
-interleaved, the SM clock and power read right after each timing. Run 218 found the warm-up raising the FP8
-stream's fraction and lowering the MoE pair's.
+interleaved, the SM clock and power read right after each timing (not during it). Run 219 found the warm-up
+raising the FP8 stream's fraction and lowering the MoE pair's. One set of weights throughout: this does not test
+the fresh-weights effect of run 216.
 
     python bench/probe_warm.py [--out DIR]      # on the GPU machine (~1 min)
 """
