@@ -37,7 +37,7 @@ if B.SMALL:  # CPU smoke run (--small): the interpreter, small shapes
     SHAPES = [("wq_b", 256, 512), ("wo_a flat", 128, 1024)]
 TILES = [(32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 256, 8), (32, 512, 8), (16, 1024, 8)]
 LOCAL = 16
-MODES = {"full": 0, "no_x": 1, "bytes": 2, "words": 3}
+MODES = {"full": 0, "no_x": 1, "bytes": 2, "words": 3, "x_same": 4}
 
 
 @triton.jit
@@ -45,22 +45,31 @@ def _step(w_at, x_ptr, s_at, i, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           MODE: tl.constexpr, step, MASK: tl.constexpr):
     """Step i's raw loads (MASK: nothing from step n on): W bytes (MODE 3: int32 words), and for MODEs 0-1 the
     block scales of its columns and (MODE 0) x."""
-    k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (k < n * BLOCK_K) | (not MASK)  # MASK False: all true, folded away
     okw = ((i * WK + tl.arange(0, WK)) < n * WK)[None, :] & (tl.arange(0, BLOCK_N) >= 0)[:, None]
     if MASK:
         wb = tl.load(w_at + i * step, mask=okw, other=0)
     else:
         wb = tl.load(w_at + i * step)
-    if MODE <= 1:
+    s, x = _xs_step(x_ptr, s_at, i, n, BLOCK_K, MODE, MASK)
+    return wb, s, x
+
+
+@triton.jit
+def _xs_step(x_ptr, s_at, i, n, BLOCK_K: tl.constexpr, MODE: tl.constexpr, MASK: tl.constexpr):
+    """Step i's block scales (MODEs 0, 1, 4) and x (MODE 0; MODE 4: x's first BLOCK_K values at every step)."""
+    k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (k < n * BLOCK_K) | (not MASK)  # MASK False: all true, folded away
+    if MODE <= 1 or MODE == 4:
         s = tl.load(s_at + k // 128, mask=ok, other=0)
     else:
         s = tl.zeros((BLOCK_K,), dtype=tl.uint8)
     if MODE == 0:
         x = tl.load(x_ptr + k, mask=ok, other=0.0)
+    elif MODE == 4:
+        x = tl.load(x_ptr + tl.arange(0, BLOCK_K))
     else:
         x = tl.zeros((BLOCK_K,), dtype=tl.bfloat16)
-    return wb, s, x
+    return s, x
 
 
 @triton.jit
@@ -71,7 +80,7 @@ def _use(acc, wb, s, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOCAL: tl.
         acc += wb
     else:
         xs = _e8m0(s, 0)
-        if MODE == 0:
+        if MODE == 0 or MODE == 4:
             xs = xs * x.to(tl.float32)
         w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         acc += tl.sum(tl.reshape(w * xs[None, :], (BLOCK_N, BLOCK_K // LOCAL, LOCAL)), axis=2)
@@ -82,8 +91,10 @@ def _use(acc, wb, s, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOCAL: tl.
 def stream_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   LOCAL: tl.constexpr, BLOCKED: tl.constexpr, MODE: tl.constexpr, PIPE: tl.constexpr):
     """y[r] = sum_k W[r, k] * x[k] * scale for program p's BLOCK_N rows (MODE 0); MODE 1 leaves x out, MODE 2
-    sums the bytes, MODE 3 the int32 words (w_ptr then addresses words: the read probe's work). BLOCKED: program
-    p's rows are stored as K / BLOCK_K contiguous tiles. PIPE: step i + 1's loads issued before step i's work."""
+    sums the bytes, MODE 3 the int32 words (w_ptr then addresses words: the read probe's work), MODE 4 reads x's
+    first BLOCK_K values at every step (the same lines, x = x[:BLOCK_K] tiled). BLOCKED: program p's rows are
+    stored as K / BLOCK_K contiguous tiles. PIPE 1: step i + 1's loads issued before step i's work; PIPE 2: only
+    its x and scales (a few registers: x in its 1-D layout, BLOCK_K / (32 x warps) values a thread)."""
     p = tl.program_id(0)
     r = tl.arange(0, BLOCK_N)
     WK: tl.constexpr = BLOCK_K // 4 if MODE == 3 else BLOCK_K  # W elements a row a step
@@ -103,7 +114,14 @@ def stream_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_sn, BLOCK_N: tl.constexp
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
     n = K // BLOCK_K
-    if PIPE:
+    if PIPE == 2:
+        s, x = _xs_step(x_ptr, s_at, 0, n, BLOCK_K, MODE, False)
+        for i in range(0, n):
+            wb = tl.load(w_at + i * step)
+            ns, nx = _xs_step(x_ptr, s_at, i + 1, n, BLOCK_K, MODE, True)
+            acc = _use(acc, wb, s, x, BLOCK_N, BLOCK_K, LOCAL, MODE)
+            s, x = ns, nx
+    elif PIPE:
         wb, s, x = _step(w_at, x_ptr, s_at, 0, n, BLOCK_N, BLOCK_K, WK, MODE, step, False)
         for i in range(0, n):
             nwb, ns, nx = _step(w_at, x_ptr, s_at, i + 1, n, BLOCK_N, BLOCK_K, WK, MODE, step, True)
@@ -129,7 +147,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all)")
     ap.add_argument("--shapes", help="comma-separated shape names (default: all)")
     ap.add_argument("--layouts", default="row,blocked", help="comma-separated layouts (default: row,blocked)")
-    ap.add_argument("--pipe", default="0", help="comma-separated PIPE values (0: none, 1: next step's loads first)")
+    ap.add_argument("--pipe", default="0", help="comma-separated PIPE values (0: none, 1: the next step's loads "
+                                                 "first, 2: only its x and scales)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, small shapes (read at import)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -151,6 +170,7 @@ def main() -> None:
         wants = {0: (xs[0].double() @ wf.T).flatten(), 1: wf.sum(1),  # no_x: x = 1
                  2: wb0.sum(1, dtype=torch.int64).double(),
                  3: wb0.view(torch.int32).sum(1, dtype=torch.int64).remainder(1 << 32).double()}  # int32 wraps
+        # MODE 4 (x's first BLOCK_K values at every step) depends on the tile: its check is made per tile below
         want = wants[0]
         for bn, bk, nw in tiles:
             tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, LOCAL=LOCAL, PREFETCH=False, UNROLL=1)
@@ -168,7 +188,7 @@ def main() -> None:
                 for (mode, m), pipe in ((mm, int(pp)) for mm in modes.items() for pp in a.pipe.split(",")):
                     def fn(x, w, s, y, m=m, lay=lay, bn=bn, bk=bk, nw=nw, r=r, k=k, pipe=pipe):
                         stream_kernel[(r // bn,)](x, w, s, y, k, s.stride(0), BLOCK_N=bn, BLOCK_K=bk, LOCAL=LOCAL,
-                                                  BLOCKED=lay == "blocked", MODE=m, PIPE=bool(pipe), num_warps=nw)
+                                                  BLOCKED=lay == "blocked", MODE=m, PIPE=pipe, num_warps=nw)
 
                     args = [(x, w2.view(torch.int32) if m == 3 else w2, w.scale.view(torch.uint8), y)
                             for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
@@ -176,11 +196,13 @@ def main() -> None:
                     got = ys[0].double()
                     if m == 3:  # the int32 sum as fp32, read back to its residue mod 2^32
                         got = got.remainder(1 << 32)
+                    if m == 4:
+                        wants[4] = (xs[0].double()[:, :bk].repeat(1, k // bk) @ wf.T).flatten()
                     err = B.rel(got, wants[m])
                     if not err <= 1e-5:  # fp32 sums of the same products, or an integer rounded once to fp32
                         raise SystemExit(f"{name} {lay} {mode} {bn}x{bk} pipe {pipe}: rel err {err} against its check")
                     ms = B.time_graph_ms(fn, args)
-                    form = f"{lay} {mode}" + (" pipe" if pipe else "")
+                    form = f"{lay} {mode}" + ("", " pipe", " xpipe")[pipe]
                     row = {"shape": name, "tile": [bn, bk, nw], "form": form, "us": ms * 1e3,
                            "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
                     runs.append(row)
