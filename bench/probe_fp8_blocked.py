@@ -134,6 +134,32 @@ def stream_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_sn, BLOCK_N: tl.constexp
     tl.store(y_ptr + p * BLOCK_N + r, tl.sum(acc, axis=1).to(tl.float32))
 
 
+@triton.jit
+def rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, stride_sn, K: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr,
+                MODE: tl.constexpr):
+    """Whole rows a step, several steps a program: program p's ROWS x STEPS rows (inside one 128-row scale block)
+    in STEPS steps of ROWS whole rows, each step one contiguous ROWS x K run; x times the block scales (the same
+    for every row of the block) loaded once before the loop, so a step only loads, decodes and sums W (MODE 0).
+    MODE 3: the int32 words summed (w_ptr addresses words), the loads alone."""
+    p = tl.program_id(0)
+    row0 = p * ROWS * STEPS
+    r = tl.arange(0, ROWS)
+    if MODE == 3:
+        kw = tl.arange(0, K // 4)
+        for i in range(STEPS):
+            rows = row0 + i * ROWS + r
+            wb = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + kw[None, :])
+            tl.store(y_ptr + rows, tl.sum(wb, axis=1).to(tl.float32))
+    else:
+        kk = tl.arange(0, K)
+        xs = _e8m0(tl.load(s_ptr + (row0 // 128) * stride_sn + kk // 128), 0) * tl.load(x_ptr + kk).to(tl.float32)
+        for i in range(STEPS):
+            rows = row0 + i * ROWS + r
+            wb = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :])
+            w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            tl.store(y_ptr + rows, tl.sum(w * xs[None, :], axis=1))
+
+
 def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     """W [R, K] bytes stored tile by tile: [R / bn, K / bk, bn, bk] contiguous."""
     r, k = w.shape
@@ -150,6 +176,8 @@ def main() -> None:
     ap.add_argument("--pipe", default="0", help="comma-separated PIPE values (0: none, 1: the next step's loads "
                                                  "first, 2: only its x and scales)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, small shapes (read at import)")
+    ap.add_argument("--rows", nargs="*", default=[], help="ROWS,STEPS,warps each: rows_kernel's forms (full and "
+                                                            "words) after the tiles")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
@@ -209,6 +237,29 @@ def main() -> None:
                     print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} {form:18s} {row['us']:7.2f} us "
                           f"{row['frac']:.3f}", flush=True)
                 del wl
+        for rows, steps, nw in (tuple(int(v) for v in t.split(",")) for t in a.rows):
+            if 128 % (rows * steps):
+                raise SystemExit(f"--rows {rows},{steps}: a program's rows must divide the 128-row scale block")
+            ys = [torch.full((r,), float("nan"), device=B.DEV) for _ in ws]
+            for mode, m in (("full", 0), ("words", 3)):
+                def fn(x, w, s, y, m=m, rows=rows, steps=steps, nw=nw, r=r, k=k):
+                    rows_kernel[(r // (rows * steps),)](x, w, s, y, s.stride(0), K=k, ROWS=rows, STEPS=steps,
+                                                       MODE=m, num_warps=nw)
+
+                args = [(x, w.data.view(torch.int32) if m == 3 else w.data.view(torch.uint8),
+                         w.scale.view(torch.uint8), y) for x, w, y in zip(xs, ws, ys, strict=True)]
+                fn(*args[0])
+                got = ys[0].double().remainder(1 << 32) if m == 3 else ys[0].double()
+                err = B.rel(got, wants[m])
+                if not err <= 1e-5:
+                    raise SystemExit(f"{name} rows {rows}x{steps} {mode}: rel err {err} against its check")
+                ms = B.time_graph_ms(fn, args)
+                form = f"rows {rows}x{steps} {mode}"
+                row = {"shape": name, "tile": [rows, steps, nw], "form": form, "us": ms * 1e3,
+                       "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
+                runs.append(row)
+                print(f"{name:10s} {rows:3d} x {steps:3d} w{nw} {form:23s} {row['us']:7.2f} us {row['frac']:.3f}",
+                      flush=True)
     tri.FP8_STREAM.clear()
     tri.FP8_STREAM.update(saved)
     tri.FP8_STREAM_LONG["min_k"] = saved_long
