@@ -160,6 +160,39 @@ def rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, stride_sn, K: tl.constexpr, ROWS: tl
             tl.store(y_ptr + rows, tl.sum(w * xs[None, :], axis=1))
 
 
+@triton.jit
+def _rows_part(w_ptr, rows, kk, xs, K: tl.constexpr, ROWS: tl.constexpr, LOCAL: tl.constexpr):
+    """One step of rows_defer_kernel: ROWS whole rows decoded and times xs, LOCAL adjacent products summed."""
+    wb = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :])
+    w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.sum(tl.reshape(w * xs[None, :], (ROWS, K // LOCAL, LOCAL)), axis=2)
+
+
+@triton.jit
+def rows_defer_kernel(x_ptr, w_ptr, s_ptr, y_ptr, stride_sn, K: tl.constexpr, ROWS: tl.constexpr,
+                      STEPS: tl.constexpr, LOCAL: tl.constexpr):
+    """rows_kernel's steps (whole rows, x times the scales loaded once) written out, STEPS = 2 or 4, each step's
+    in-thread partial kept apart and all reduced across threads once at the end (tl.join stacks them)."""
+    p = tl.program_id(0)
+    row0 = p * ROWS * STEPS
+    r = tl.arange(0, ROWS)
+    kk = tl.arange(0, K)
+    xs = _e8m0(tl.load(s_ptr + (row0 // 128) * stride_sn + kk // 128), 0) * tl.load(x_ptr + kk).to(tl.float32)
+    a0 = _rows_part(w_ptr, row0 + r, kk, xs, K, ROWS, LOCAL)
+    a1 = _rows_part(w_ptr, row0 + ROWS + r, kk, xs, K, ROWS, LOCAL)
+    tl.static_assert(STEPS == 2 or STEPS == 4)
+    if STEPS == 4:
+        a2 = _rows_part(w_ptr, row0 + 2 * ROWS + r, kk, xs, K, ROWS, LOCAL)
+        a3 = _rows_part(w_ptr, row0 + 3 * ROWS + r, kk, xs, K, ROWS, LOCAL)
+        y = tl.sum(tl.join(tl.join(a0, a1), tl.join(a2, a3)), axis=1)  # [ROWS, i, j]: step 2 j + i
+        i = tl.arange(0, 2)[None, :, None]
+        j = tl.arange(0, 2)[None, None, :]
+        tl.store(y_ptr + row0 + (2 * j + i) * ROWS + r[:, None, None], y)
+    else:
+        y = tl.sum(tl.join(a0, a1), axis=1)  # [ROWS, i]: step i
+        tl.store(y_ptr + row0 + tl.arange(0, 2)[None, :] * ROWS + r[:, None], y)
+
+
 def blocked(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     """W [R, K] bytes stored tile by tile: [R / bn, K / bk, bn, bk] contiguous."""
     r, k = w.shape
@@ -177,7 +210,7 @@ def main() -> None:
                                                  "first, 2: only its x and scales)")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, small shapes (read at import)")
     ap.add_argument("--rows", nargs="*", default=[], help="ROWS,STEPS,warps each: rows_kernel's forms (full and "
-                                                            "words) after the tiles")
+                                                            "words; rows_defer_kernel's at 2, 4 steps) after the tiles")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else TILES
@@ -241,16 +274,21 @@ def main() -> None:
             if 128 % (rows * steps):
                 raise SystemExit(f"--rows {rows},{steps}: a program's rows must divide the 128-row scale block")
             ys = [torch.full((r,), float("nan"), device=B.DEV) for _ in ws]
-            for mode, m in (("full", 0), ("words", 3)):
+            forms = (("full", 0), ("words", 3)) + ((("defer", 5),) if steps in (2, 4) else ())
+            for mode, m in forms:
                 def fn(x, w, s, y, m=m, rows=rows, steps=steps, nw=nw, r=r, k=k):
-                    rows_kernel[(r // (rows * steps),)](x, w, s, y, s.stride(0), K=k, ROWS=rows, STEPS=steps,
-                                                       MODE=m, num_warps=nw)
+                    if m == 5:
+                        rows_defer_kernel[(r // (rows * steps),)](x, w, s, y, s.stride(0), K=k, ROWS=rows,
+                                                                 STEPS=steps, LOCAL=LOCAL, num_warps=nw)
+                    else:
+                        rows_kernel[(r // (rows * steps),)](x, w, s, y, s.stride(0), K=k, ROWS=rows, STEPS=steps,
+                                                           MODE=m, num_warps=nw)
 
                 args = [(x, w.data.view(torch.int32) if m == 3 else w.data.view(torch.uint8),
                          w.scale.view(torch.uint8), y) for x, w, y in zip(xs, ws, ys, strict=True)]
                 fn(*args[0])
                 got = ys[0].double().remainder(1 << 32) if m == 3 else ys[0].double()
-                err = B.rel(got, wants[m])
+                err = B.rel(got, wants[0 if m == 5 else m])
                 if not err <= 1e-5:
                     raise SystemExit(f"{name} rows {rows}x{steps} {mode}: rel err {err} against its check")
                 ms = B.time_graph_ms(fn, args)
