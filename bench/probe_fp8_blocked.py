@@ -1,19 +1,25 @@
 """Does the one-token FP8 stream lose to a read-only launch (0.74 against 0.82-0.84 of copy at wq_b's 33.6 MB) by
-its weight layout or by its work? One small stream kernel, timed in two layouts of the same bytes and four
-modes, beside the engine's own launch at the same tile (which narrows row tiles to 16 where fewer than
-MIN_PROGRAMS programs would run, as on wo_a's 8192 rows: its rows are then not the same tile):
+its weight layout, by its work or by its load structure? One small stream kernel, timed in two layouts of the same
+bytes and five modes, beside the engine's own launch at the same tile (which narrows row tiles to 16 where fewer
+than MIN_PROGRAMS programs would run, as on wo_a's 8192 rows: its rows are then not the same tile):
 
 - layout `row`: the checkpoint's row-major W, each step reading BLOCK_N pieces of BLOCK_K bytes a row apart (as
   the engine does); `blocked`: W stored tile by tile, [R / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K], so each step
   reads one contiguous BLOCK_N x BLOCK_K run (the read probe's best shapes: 2-16 KB a step);
 - mode `full`: decode, x * block scale, fp32 FMAs, LOCAL adjacent products summed in the thread (the engine's
-  work); `no_x`: the same without x (the block scale alone: no x load and no shared-memory layout change of x a
-  step); `bytes`: the weight bytes widened to int32 and summed as the full work sums its products (no decode or
-  x, but a byte unpack a code); `words`: the weight loaded as int32 words and summed as they are (the read probe's
-  own work, the loads nearly alone). Every mode's output is checked (float64, or the integer row sums).
+  work); `no_x`: the same with x = 1 (no x load; the scales still change layout a step); `x_same`: x's first
+  BLOCK_K values at every step (the same lines); `bytes`: the weight bytes widened to int32 and summed as the full
+  work sums its products (no decode or x, but a byte unpack a code); `words`: the weight loaded as int32 words and
+  summed as they are (the read probe's own work, the loads nearly alone);
+- PIPE 1: the next step's loads before this step's work; PIPE 2: only its x and scales;
+- `--rows`: other structures, whole rows a step with x times the scales loaded once a program (`rows_kernel`, a
+  reduction a step; `rows_defer_kernel`, 2 or 4 steps reduced once).
+Every form's output is checked (against float64, or the integer row sums). NOTES runs 214-224.
 
     python bench/probe_fp8_blocked.py [--out DIR]      # on the GPU machine (~1 min)
-    python bench/probe_fp8_blocked.py --tiles 8,256,1 4,512,1 --modes full,bytes --shapes wq_b
+    python bench/probe_fp8_blocked.py --tiles 8,256,1 4,512,1 --modes full,words --pipe 0,2 --shapes wq_b
+    python bench/probe_fp8_blocked.py --layouts row --modes full --tiles 32,256,4 --rows 8,4,4 2,4,1
+    TRITON_INTERPRET=1 python bench/probe_fp8_blocked.py --small --out /tmp/p   # CPU smoke run, checks only
 """
 
 from __future__ import annotations
