@@ -269,6 +269,17 @@ def correctness(results: dict, streams_only: bool = False) -> None:
     check(results, "index_scores T=777", rel(tri.index_scores(q, k, wi, 0.1), want))
 
 
+def moe_pair(w1: QWeight, w3: QWeight, w2: QWeight):
+    """The routed experts' gate/up and down launches for one routing (x, idx, weights, moe_prepare's plan, ...), as
+    the benchmarks time them: the pair-rows table is the routing's, so it is rebuilt with the launches."""
+    def run(x, idx, wt, plan, *_):
+        if plan[-2] is not None:
+            plan = (*plan[:-2], tri._pair_rows(idx), plan[-1])
+        tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
+
+    return run
+
+
 def moe_bench(results: dict, copy: float, sweep: bool) -> None:
     """Grouped gate_up + down launches over the experts a routing selects; bytes = packed weights + scales of
     the distinct selected experts + activations (x, h written and read, contributions written). The per-pair
@@ -334,14 +345,8 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
                 continue  # below TWO_MIN_T the default is one pair a row too: timed once
             apply(cfg)
             planned = [(x, idx, wt, tri.moe_prepare(x, idx, N_EXP), n) for x, idx, wt, _, n in sets]  # bm per cfg
-
-            def run(x, idx, wt, plan, _n):
-                if plan[-2] is not None:  # the pair-rows table is the routing's: timed with the launches
-                    plan = (*plan[:-2], tri._pair_rows(idx), plan[-1])
-                tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
-
             try:
-                ms = time_graph_ms(run, planned)
+                ms = time_graph_ms(moe_pair(w1, w3, w2), planned)
             except Exception as exc:  # a tile that does not compile is reported, not fatal
                 print(f"moe cfg {cfg} failed: {exc!r}"[:300])
                 continue

@@ -238,16 +238,31 @@ def main() -> None:
                  2: wb0.sum(1, dtype=torch.int64).double(),
                  3: wb0.view(torch.int32).sum(1, dtype=torch.int64).remainder(1 << 32).double()}  # int32 wraps
         # MODE 4 (x's first BLOCK_K values at every step) depends on the tile: its check is made per tile below
-        want = wants[0]
+
+        def measure(tile, form, fn, args, want, words=False, name=name, nbytes=nbytes):
+            """One probe form: run once on poisoned outputs, checked (fp32 sums of the same products, or an integer
+            rounded once to fp32: far inside 1e-5), then timed and recorded."""
+            fn(*args[0])
+            got = args[0][3].double()
+            if words:  # the int32 sum as fp32, read back to its residue mod 2^32
+                got = got.remainder(1 << 32)
+            err = B.rel(got, want)
+            if not err <= 1e-5:
+                raise SystemExit(f"{name} {tile} {form}: rel err {err} against its check")
+            ms = B.time_graph_ms(fn, args)
+            row = {"shape": name, "tile": list(tile), "form": form, "us": ms * 1e3,
+                   "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
+            runs.append(row)
+            print(f"{name:10s} {tile} {form:23s} {row['us']:7.2f} us {row['frac']:.3f}", flush=True)
         for bn, bk, nw in tiles:
             tri.FP8_STREAM.update(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, LOCAL=LOCAL, PREFETCH=False, UNROLL=1)
             ms = B.time_graph_ms(tri.linear, list(zip(xs, ws, strict=True)))
-            err = B.rel(tri.linear(xs[0], ws[0]).flatten(), want)
+            err = B.rel(tri.linear(xs[0], ws[0]).flatten(), wants[0])
             row = {"shape": name, "tile": [bn, bk, nw], "form": "engine", "us": ms * 1e3,
                    "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
             runs.append(row)
-            print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} engine        {row['us']:7.2f} us {row['frac']:.3f}  "
-                  f"err {err:.1e}", flush=True)
+            print(f"{name:10s} {(bn, bk, nw)} {'engine':23s} {row['us']:7.2f} us {row['frac']:.3f}  err {err:.1e}",
+                  flush=True)
             for lay in a.layouts.split(","):
                 wl = [blocked(w.data.view(torch.uint8), bn, bk) if lay == "blocked" else w.data.view(torch.uint8)
                       for w in ws]
@@ -259,22 +274,9 @@ def main() -> None:
 
                     args = [(x, w2.view(torch.int32) if m == 3 else w2, w.scale.view(torch.uint8), y)
                             for x, w2, w, y in zip(xs, wl, ws, ys, strict=True)]
-                    fn(*args[0])
-                    got = ys[0].double()
-                    if m == 3:  # the int32 sum as fp32, read back to its residue mod 2^32
-                        got = got.remainder(1 << 32)
                     if m == 4:
                         wants[4] = (xs[0].double()[:, :bk].repeat(1, k // bk) @ wf.T).flatten()
-                    err = B.rel(got, wants[m])
-                    if not err <= 1e-5:  # fp32 sums of the same products, or an integer rounded once to fp32
-                        raise SystemExit(f"{name} {lay} {mode} {bn}x{bk} pipe {pipe}: rel err {err} against its check")
-                    ms = B.time_graph_ms(fn, args)
-                    form = f"{lay} {mode}" + ("", " pipe", " xpipe")[pipe]
-                    row = {"shape": name, "tile": [bn, bk, nw], "form": form, "us": ms * 1e3,
-                           "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
-                    runs.append(row)
-                    print(f"{name:10s} {bn:3d} x {bk:4d} w{nw} {form:18s} {row['us']:7.2f} us "
-                          f"{row['frac']:.3f}", flush=True)
+                    measure((bn, bk, nw), f"{lay} {mode}" + ("", " pipe", " xpipe")[pipe], fn, args, wants[m], m == 3)
                 del wl
         for rows, steps, nw in (tuple(int(v) for v in t.split(",")) for t in a.rows):
             if 128 % (rows * steps):
@@ -292,18 +294,7 @@ def main() -> None:
 
                 args = [(x, w.data.view(torch.int32) if m == 3 else w.data.view(torch.uint8),
                          w.scale.view(torch.uint8), y) for x, w, y in zip(xs, ws, ys, strict=True)]
-                fn(*args[0])
-                got = ys[0].double().remainder(1 << 32) if m == 3 else ys[0].double()
-                err = B.rel(got, wants[0 if m == 5 else m])
-                if not err <= 1e-5:
-                    raise SystemExit(f"{name} rows {rows}x{steps} {mode}: rel err {err} against its check")
-                ms = B.time_graph_ms(fn, args)
-                form = f"rows {rows}x{steps} {mode}"
-                row = {"shape": name, "tile": [rows, steps, nw], "form": form, "us": ms * 1e3,
-                       "frac": nbytes / (ms * 1e-3) / 1e12 / copy, "rel_err": err}
-                runs.append(row)
-                print(f"{name:10s} {rows:3d} x {steps:3d} w{nw} {form:23s} {row['us']:7.2f} us {row['frac']:.3f}",
-                      flush=True)
+                measure((rows, steps, nw), f"rows {rows}x{steps} {mode}", fn, args, wants[0 if m == 5 else m], m == 3)
     tri.FP8_STREAM.clear()
     tri.FP8_STREAM.update(saved)
     tri.FP8_STREAM_LONG["min_k"] = saved_long

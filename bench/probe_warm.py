@@ -45,11 +45,7 @@ def main() -> None:
         idx = torch.randperm(B.N_EXP, device="cuda")[: B.TOPK][None]
         sets.append((x, idx, torch.rand(1, B.TOPK, device="cuda"), tri.moe_prepare(x, idx, B.N_EXP)))
     moe_bytes = B.TOPK * sum(w.nbytes() for w in (w1, w3, w2)) / B.N_EXP
-
-    def moe(x, idx, wt, plan):
-        if plan[-2] is not None:
-            plan = (*plan[:-2], tri._pair_rows(idx), plan[-1])
-        tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
+    moe = B.moe_pair(w1, w3, w2)
 
     ws = [B.fp8_weight(B.HEADS * B.HEAD_DIM, B.Q_LORA) for _ in range(8)]
     xs = [torch.randn(1, B.Q_LORA, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
