@@ -221,15 +221,16 @@ def correctness(results: dict, streams_only: bool = False) -> None:
         saved_st, saved_mma, saved_dot = dict(tri.MOE_STREAM), dict(tri.MOE_MMA), dict(tri.MOE_DOT)
         # the per-pair forms (up to MOE_PAIRS_MAX_T tokens): the stream, with register double buffering and/or the
         # inline-PTX E2M1 decode (CUDA only), and the tensor-core kernels (CUDA sm_80+, bf16: the stream in --small)
-        # at two K splits
+        # at their token-count splits and two fixed ones
         off = dict(on=False)
         one = [("stream", dict(PREFETCH=False, PRMT=False), off),
                ("stream prefetch", dict(PREFETCH=True, PRMT=False), off),
                ("stream prmt", dict(PREFETCH=False, PRMT=True), off),
                ("stream prefetch prmt", dict(PREFETCH=True, PRMT=True), off),
-               ("mma splits 4,2", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2)),
-               ("mma splits 2,4", {}, dict(on=True, SPLIT_UP=2, SPLIT_DOWN=4)),
-               ("mma one pair a row", {}, dict(on=True, SPLIT_UP=4, SPLIT_DOWN=2, TWO_MIN_T=1 << 30))]
+               ("mma", {}, dict(on=True)),
+               ("mma splits 4,2", {}, dict(on=True, SPLITS=((1, 4, 2),))),
+               ("mma splits 2,4", {}, dict(on=True, SPLITS=((1, 2, 4),))),
+               ("mma one pair a row", {}, dict(on=True, TWO_MIN_T=1 << 30))]
         dots = [("dot", {}, off), ("dot noswap", {}, off)]  # the grouped tl.dot blocks, MOE_DOT's SWAP on and off
         for variant, stream, mma in (one if t <= min(tri.MOE_PAIRS_MAX_T.values()) else []) + dots:
             tri.MOE_STREAM.update(saved_st, on=not variant.startswith("dot"), **stream)
@@ -319,9 +320,9 @@ def moe_bench(results: dict, copy: float, sweep: bool) -> None:
         configs += [{"STREAM": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": nw, "num_stages": st}
                     for bn, g, nw, st in ((64, 4, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (16, 16, 4, 2),
                                           (32, 16, 8, 2), (8, 16, 2, 2), (16, 8, 4, 2), (8, 8, 1, 2))]
-        # the per-pair tensor-core kernels' K splits (gate/up, down; two pairs a row from the default TWO_MIN_T)
-        configs += [{"MMA": True, "SPLIT_UP": u, "SPLIT_DOWN": dn}
-                    for u, dn in ((4, 2), (2, 2), (4, 4), (2, 4), (8, 2))]
+        # the per-pair tensor-core kernels' K splits (gate/up, down) at every token count (two pairs a row from the
+        # default TWO_MIN_T)
+        configs += [{"MMA": True, "SPLITS": ((1, u, dn),)} for u, dn in ((4, 2), (4, 1), (2, 1), (1, 1), (2, 2))]
         configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     if all(c.get("STREAM") or c.get("MMA") for c in configs):  # the grouped form beside them at every T
         configs.append({"DOT": True, **tri.MOE_DOT_M1})

@@ -173,6 +173,13 @@ def test_tensor_core_path_is_off_on_the_cpu():
     assert not tri._mma_on(torch.zeros(1, 4096, dtype=torch.bfloat16), 2048, 6)
 
 
+def test_k_splits_follow_the_token_count_rows(monkeypatch):
+    """MOE_MMA SPLITS: a call takes the last row whose token count it reaches (below the first row, the first)."""
+    monkeypatch.setitem(tri.MOE_MMA, "SPLITS", ((2, 4, 2), (4, 8, 1), (9, 1, 1)))
+    got = [tri._mma_splits(t) for t in (1, 2, 3, 4, 8, 9, 64)]
+    assert got == [(4, 2), (4, 2), (4, 2), (8, 1), (8, 1), (1, 1), (1, 1)]
+
+
 def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool, t: int = 1) -> tuple:
     """Random MXFP4 expert stacks at V4-Flash widths (D 4096, I 2048) on g's GPU, t bf16 tokens, k distinct experts
     each and their weights. scale_200: some scale bytes past 192 (2^73), where a decode that folds 2^62 into the

@@ -549,12 +549,15 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # per (token, slot) pair): the experts' weights repacked once into the mma fragment layout (mma_layout.py; a second
 # copy of each stack, made at its first such step), K split over SPLIT programs whose partials the last to arrive
 # adds. The H200 (bench/probe_mma.py, run 51): gate_up volume 0.44 -> 0.61 of copy. off: the dot-free stream above.
+# SPLITS: rows (from T tokens on, gate/up's split, down's split), the last row whose T a call reaches applies: more
+# tokens fill the GPU with fewer K parts, and each split adds a partials round trip (the H200, NOTES runs 225-227,
+# `bench/mma_splits.py`: (4, 2) best at 1-3 tokens; (4, 1) at 4; (2, 1) 2-7% faster than (4, 2) at 8-64).
 # PDL (sm_90): down is launched as a programmatic dependent of gate/up, so its launch and first loads overlap gate/up's
 # end (NOTES runs 63, 118).
 # TWO_MIN_T: from this many tokens each program row takes two pairs of one expert (`moe_pair_rows_kernel`), so one
 # decode of an expert's tile serves two tokens; the H200 (NOTES run 195): 7-8% slower at 4-8 tokens (the table's
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
-MOE_MMA = {"on": True, "SPLIT_UP": 4, "SPLIT_DOWN": 2, "PDL": True, "TWO_MIN_T": 12}
+MOE_MMA = {"on": True, "SPLITS": ((1, 4, 2), (4, 4, 1), (8, 2, 1)), "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 
 
@@ -562,6 +565,12 @@ def _mma_pdl(device: torch.device) -> bool:
     """The down launch as a programmatic dependent of gate/up (MOE_MMA["PDL"]; griddepcontrol is sm_90+, and
     Triton 3.5+ compiles it)."""
     return bool(MOE_MMA["PDL"]) and _compiled.PDL_AVAILABLE and _cuda_cc(device) >= (9, 0)
+
+
+def _mma_splits(t: int) -> tuple[int, int]:
+    """(gate/up's, down's) K splits at t tokens: MOE_MMA["SPLITS"]' last row whose token count t reaches."""
+    rows = [r for r in MOE_MMA["SPLITS"] if r[0] <= t] or MOE_MMA["SPLITS"][:1]
+    return rows[-1][1], rows[-1][2]
 
 
 def _mma_device(x: torch.Tensor) -> bool:
@@ -572,7 +581,7 @@ def _mma_device(x: torch.Tensor) -> bool:
 def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
     """Whether x's tokens' k experts each take the tensor-core kernels: `_mma_device`, tiles that divide (down's
     split a power of two), arrival counters for every tile of either launch."""
-    (t, d), up, down = x.shape, MOE_MMA["SPLIT_UP"], MOE_MMA["SPLIT_DOWN"]
+    (t, d), (up, down) = x.shape, _mma_splits(x.shape[0])
     return (_mma_device(x) and d % (128 * up) == 0 and inter % (256 * down) == 0 and down & (down - 1) == 0
             and t * k * max(inter, d) // 16 <= LOCKS)
 
@@ -619,7 +628,7 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
     """hb [t k, I / 128, 256] bf16 (one row per (token, slot) pair): swiglu(W1 x, W3 x) x 2^64 split hi + lo, the
     down kernel's B operand (in the order its lanes read it: kernels/mma.py `_hb_index`)."""
     words, scales, _ = _mma_weights(w1, w3)
-    p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], MOE_MMA["SPLIT_UP"]
+    p, inter, d, split = plan[3].numel(), w1.data.shape[1], x.shape[1], _mma_splits(x.shape[0])[0]
     hb = _empty(p, inter // 128, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(p * split, 2, inter, dtype=torch.float32, device=x.device)
     rows = plan[-2]
@@ -633,7 +642,8 @@ def _mma_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: 
 def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple, out: torch.Tensor | None,
               add: torch.Tensor | None) -> torch.Tensor:
     words, scales, fresh = _mma_weights(w2)
-    p, k, inter, d, split = hb.shape[0], plan[-1], hb.shape[1] * 128, w2.data.shape[1], MOE_MMA["SPLIT_DOWN"]
+    p, k, inter, d = hb.shape[0], plan[-1], hb.shape[1] * 128, w2.data.shape[1]
+    split = _mma_splits(p // k)[1]
     pdl = _mma_pdl(hb.device) and not fresh  # down reads its first weights before its wait: not just written ones
     fused = out is not None
     c = out if fused else _empty(p, d, dtype=torch.float32, device=hb.device)
