@@ -118,8 +118,9 @@ def _compressor_specs(o: str, h: str, ratio: int, d: int, D: int) -> list[Spec]:
     ]
 
 
-_DTYPES = {"bf16": (torch.bfloat16, torch.float32, torch.float16, torch.float64), "fp32": (torch.float32,),
-           "int32": (torch.int32, torch.int64)}
+# accepted stored dtypes per kind, the wanted one first; fp32 tensors stored in bf16/fp16 are upcast (exact)
+_DTYPES = {"bf16": (torch.bfloat16, torch.float32, torch.float16, torch.float64),
+           "fp32": (torch.float32, torch.bfloat16, torch.float16), "int32": (torch.int32, torch.int64)}
 _DENSE = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 
 
@@ -134,9 +135,12 @@ class _Files:
         index = folder / INDEX_FILE
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                     raise TypeError("weight_map must map keys to shard file names")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{index}: not UTF-8 text ({e.reason} at byte {e.start}): regenerate it as "
+                                      "UTF-8 JSON") from None
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e}): regenerate it") from None
             files = sorted(set(weight_map.values()))
@@ -180,6 +184,10 @@ class _Files:
     def file_of(self, key: str) -> Path:
         return self.folder / self.where[key]
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape, read from the header (no data)."""
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
 
 # transformers' renaming of official keys (its conversion_mapping for deepseek_v4), in order. A
 # `save_pretrained` folder holds keys at any stage of it (5.23 writes a half-reversed mix such as
@@ -211,15 +219,25 @@ def _hf_name(key: str) -> str:
     return k
 
 
-def _resolve(keys: set[str], specs: list[Spec], cfg: Config) -> dict[str, tuple[str, object]]:
+def _resolve(files: _Files, specs: list[Spec], cfg: Config) -> dict[str, tuple[str, object]]:
     """{official name: (file key, slice of a stacked tensor or None)} for every key found in the files.
-    Scale keys (.scale, .weight_scale_inv) resolve to '<official base>.scale'."""
+    Scale keys (.scale, .weight_scale_inv) resolve to '<official base>.scale'. Two keys for one tensor (an
+    official and a transformers name, .scale and .weight_scale_inv) are refused: either could be the stale one."""
     official = {sp.name for sp in specs}
     by_hf = {sp.hf.removeprefix("model."): sp.name for sp in specs if ".experts." not in sp.name
              or ".shared_experts." in sp.name}
     out: dict[str, tuple[str, object]] = {}
-    I = cfg.moe_intermediate_size
-    for key in keys:
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    keys = files.keys()
+
+    def put(name: str, key: str, part: object = None) -> None:
+        if name in out and out[name][0] != key:
+            other = out[name][0]
+            raise CheckpointError(f"{files.file_of(key)}: key {key} and key {other} (in {files.file_of(other).name}) "
+                                  f"are both {name}: delete one of them")
+        out[name] = (key, part)
+
+    for key in sorted(keys):
         base, suffix = key, ""
         for s in (".weight_scale_inv", ".scale"):
             if key.endswith(s) and key.removesuffix(s) + ".weight" in keys:  # not hc's `attn_hc.scale`
@@ -232,14 +250,19 @@ def _resolve(keys: set[str], specs: list[Spec], cfg: Config) -> dict[str, tuple[
             if m := _EXPERT.match(h):
                 name = f"layers.{m[1]}.ffn.experts.{m[2]}.{m[3]}.weight"
             elif (m := _STACKED.match(h)) and not suffix:
-                for e in range(cfg.n_routed_experts):
-                    parts = {"w1": slice(0, I), "w3": slice(I, 2 * I)} if m[2] == "gate_up_proj" else {"w2": None}
-                    for w, sl in parts.items():
-                        out[f"layers.{m[1]}.ffn.experts.{e}.{w}.weight"] = (key, (e, sl))
+                gate_up = m[2] == "gate_up_proj"
+                want, dims = ((E, 2 * I, D), "n_routed_experts, 2 * moe_intermediate_size, hidden_size") if gate_up \
+                    else ((E, D, I), "n_routed_experts, hidden_size, moe_intermediate_size")
+                if files.shape(key) != want:
+                    raise CheckpointError(f"{files.file_of(key)}: key {key} has shape {files.shape(key)}, config "
+                                          f"implies {want} ({dims}): the config.json does not match these weights")
+                for e in range(E):
+                    for w, sl in ({"w1": slice(0, I), "w3": slice(I, 2 * I)} if gate_up else {"w2": None}).items():
+                        put(f"layers.{m[1]}.ffn.experts.{e}.{w}.weight", key, (e, sl))
                 continue
             else:
                 name = by_hf.get(h, key)  # unknown keys stay as they are and are reported as unexpected
-        out[name.removesuffix(".weight") + ".scale" if suffix else name] = (key, None)
+        put(name.removesuffix(".weight") + ".scale" if suffix else name, key)
     return out
 
 
@@ -253,7 +276,7 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
     cfg = cfg or Config.load(folder)
     files = _Files(folder)
     specs = tensor_specs(cfg)
-    files.names = _resolve(files.keys(), specs, cfg)
+    files.names = _resolve(files, specs, cfg)
     out: dict[str, object] = {}
     expected = set()
     for sp in specs:
@@ -264,9 +287,9 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
             out[sp.name] = _read_linear(files, sp, scale_key if scale_key in files.names else None)
         else:
             t = _read_plain(files, sp)
-            if sp.kind == "int32" and t.numel() and not 0 <= int(t.min()) <= int(t.max()) < cfg.n_routed_experts:
-                raise CheckpointError(f"{_where(files, sp.name)} holds expert ids outside 0..{cfg.n_routed_experts - 1}"
-                                      ": the weights are corrupt or config.json's n_routed_experts is wrong")
+            if sp.kind == "int32":  # checked before the cast: an int64 id past 2^31 must not wrap into range
+                _check_tid2eid(files, sp.name, t, cfg.n_routed_experts)
+                t = t.to(torch.int32)
             out[sp.name] = QWeight(t, None, "dense") if sp.linear else t
     _check_experts_uniform(files, out, cfg)
     unexpected = sorted(n for n in set(files.names) - expected if not files.names[n][0].startswith("mtp."))
@@ -276,6 +299,21 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
             f"{files.file_of(k)}: unexpected key {k} ({len(unexpected)} in all): the config.json does not match "
             f"these weights (check num_hidden_layers, compress_ratios, num_hash_layers, n_routed_experts)")
     return cfg, out
+
+
+def _check_tid2eid(files: _Files, name: str, t: torch.Tensor, n_experts: int) -> None:
+    """A hash layer's table [vocab, k]: each row names k distinct existing experts (a repeat would weight one
+    expert twice and drop another)."""
+    if t.numel() and not 0 <= int(t.min()) <= int(t.max()) < n_experts:
+        raise CheckpointError(f"{_where(files, name)} holds expert ids outside 0..{n_experts - 1}: the weights are "
+                              "corrupt or config.json's n_routed_experts is wrong")
+    ranked = t.sort(-1).values
+    repeats = (ranked[:, 1:] == ranked[:, :-1]).any(-1).nonzero()
+    if len(repeats):
+        row = int(repeats[0])
+        raise CheckpointError(f"{_where(files, name)} row {row} repeats an expert ({t[row].tolist()}): a token's "
+                              "hash-routed experts must be distinct; the table is corrupt or untrained (transformers "
+                              "initializes it to zeros)")
 
 
 def _check_experts_uniform(files: _Files, out: dict, cfg: Config) -> None:
@@ -318,10 +356,12 @@ def _read_plain(files: _Files, sp: Spec) -> torch.Tensor:
     if tuple(t.shape) != sp.shape:
         raise CheckpointError(f"{_where(files, sp.name)} has shape {tuple(t.shape)}, config implies {sp.shape}: "
                               "the config.json does not match these weights")
-    if t.dtype not in _DTYPES[sp.kind]:
-        raise CheckpointError(f"{_where(files, sp.name)} has dtype {t.dtype}, expected {_DTYPES[sp.kind][0]}")
+    ok = _DTYPES[sp.kind]
+    if t.dtype not in ok:
+        raise CheckpointError(f"{_where(files, sp.name)} has dtype {t.dtype}, expected {ok[0]}: save it as one of "
+                              f"{', '.join(str(d).removeprefix('torch.') for d in ok)}")
     _check_finite(files, sp.name, t)
-    return t.to(torch.int32) if sp.kind == "int32" else t
+    return t.float() if sp.kind == "fp32" else t
 
 
 def stored_shapes(kind: str, shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:

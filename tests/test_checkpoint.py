@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cdna2_engine import CheckpointError, ConfigError, load_model
+from cdna2_engine import CheckpointError, ConfigError, checkpoint, load_model
 from cdna2_engine.checkpoint import INDEX_FILE, convert_hf_checkpoint, read_checkpoint
 from cdna2_engine.ops import QWeight
 
@@ -154,6 +154,19 @@ def test_unexpected_key(ck, key):
     one_line(e, path, key)
 
 
+@pytest.mark.parametrize("extra, of", [
+    ("layers.1.attn.wo_b.weight_scale_inv", "layers.1.attn.wo_b.scale"),  # both scale names
+    ("model.embed_tokens.weight", "embed.weight"),  # a transformers name beside the official one
+    ("model.layers.0.input_layernorm.weight", "layers.0.attn_norm.weight"),
+])
+def test_two_keys_for_one_tensor_are_refused(ck, extra, of):
+    """Which of the two was loaded depended on set order (PYTHONHASHSEED); neither may be guessed."""
+    path = edit_tensors(ck, lambda sd: sd.__setitem__(extra, torch.zeros_like(sd[of])))
+    with pytest.raises(CheckpointError, match="are both .*: delete one of them") as e:
+        read_checkpoint(ck)
+    one_line(e, path, extra, of)
+
+
 def test_mtp_keys_are_ignored(ck, good):
     """Multi-token-prediction weights of the official release are not part of the decoder: skipped."""
     edit_tensors(ck, lambda sd: sd.__setitem__("mtp.0.norm.weight", torch.ones(96, dtype=torch.bfloat16)))
@@ -179,7 +192,8 @@ def test_wrong_shape(ck, key, new, match):
 
 @pytest.mark.parametrize("key, dtype, match", [
     ("layers.0.attn_norm.weight", torch.int32, r"has dtype torch\.int32, expected torch\.bfloat16"),
-    ("hc_head_fn", torch.bfloat16, r"has dtype torch\.bfloat16, expected torch\.float32"),
+    ("hc_head_fn", torch.float64, r"has dtype torch\.float64, expected torch\.float32: save it as one of "
+                                  r"float32, bfloat16, float16"),
     ("layers.1.ffn.gate.bias", torch.int64, r"has dtype torch\.int64, expected torch\.float32"),
     ("layers.1.attn.wkv.weight", torch.int32, r"has dtype torch\.int32 beside a scale"),
 ])
@@ -188,6 +202,24 @@ def test_wrong_dtype(ck, key, dtype, match):
     with pytest.raises(CheckpointError, match=match) as e:
         read_checkpoint(ck)
     one_line(e, path, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_tensors_stored_in_half_precision_are_upcast(ck, dtype):
+    """bf16/fp16 -> fp32 is exact, so a checkpoint saved in bf16 (transformers' save_pretrained of a bf16 model)
+    loads; the engine holds these tensors in float32."""
+    keys = ["hc_head_fn", "layers.0.hc_attn_base", "layers.1.hc_ffn_scale", "layers.1.attn.attn_sink",
+            "layers.0.attn.compressor.ape", "layers.1.ffn.gate.bias"]
+    stored = {}
+
+    def lower(sd):
+        for k in keys:
+            sd[k] = stored[k] = sd[k].to(dtype)
+
+    edit_tensors(ck, lower)
+    w = read_checkpoint(ck)[1]
+    for k in keys:
+        assert w[k].dtype == torch.float32 and torch.equal(w[k], stored[k].float()), k
 
 
 @pytest.mark.parametrize("key, value", [
@@ -226,6 +258,63 @@ def test_hash_routing_table_names_only_existing_experts(tmp_path, value):
     with pytest.raises(CheckpointError, match="holds expert ids outside 0..") as e:
         read_checkpoint(ck)
     one_line(e, path, keys[0])
+
+
+def test_hash_routing_table_row_repeating_an_expert(tmp_path):
+    """A row naming one expert twice would weight it twice and drop another: refused, first bad row named."""
+    ck = make_checkpoint(tmp_path / "hash", make_config("csa-only", num_hash_layers=1), seed=5)
+    key = "layers.0.ffn.gate.tid2eid"
+
+    def repeat(sd):
+        t = sd[key].clone()
+        t[5, 1], t[7, 2] = t[5, 0], t[7, 0]
+        sd[key] = t
+
+    path = edit_tensors(ck, repeat)
+    with pytest.raises(CheckpointError, match="row 5 repeats an expert") as e:
+        read_checkpoint(ck)
+    one_line(e, path, key)
+
+
+# ------------------------------------------------------------------------------------------- stacked experts
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory) -> Path:
+    """The `good` model's dense weights with transformers' stacked experts: per layer gate_up_proj [E, 2I, D]
+    (w1 rows, then w3) and down_proj [E, D, I]."""
+    cfg = make_config("csa-only")
+    sd = checkpoint.random_dense_state(cfg, seed=3)
+    for i in range(cfg.num_hidden_layers):
+        p = [f"layers.{i}.ffn.experts.{e}." for e in range(cfg.n_routed_experts)]
+        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([sd.pop(q + "w1.weight"), sd.pop(q + "w3.weight")]) for q in p])
+        sd[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([sd.pop(q + "w2.weight") for q in p])
+    folder = tmp_path_factory.mktemp("stacked")
+    checkpoint.write_checkpoint(folder, cfg, sd)
+    return folder
+
+
+def test_stacked_experts_load_as_per_expert(stacked, tmp_path):
+    cfg = make_config("csa-only")
+    checkpoint.write_checkpoint(tmp_path / "per-expert", cfg, checkpoint.random_dense_state(cfg, seed=3))
+    same_weights(read_checkpoint(stacked)[1], read_checkpoint(tmp_path / "per-expert")[1])
+
+
+@pytest.mark.parametrize("key, new, got", [
+    ("gate_up_proj", lambda t: t[:7], (7, 128, 96)),  # fewer experts: was an IndexError
+    ("gate_up_proj", lambda t: torch.cat([t, t[:1]]), (9, 128, 96)),  # more: the 9th was dropped
+    ("gate_up_proj", lambda t: torch.cat([t, t[:, :64]], 1), (8, 192, 96)),  # 3I rows: the last I were dropped
+    ("down_proj", lambda t: torch.cat([t, t[:1]]), (9, 96, 64)),
+])
+def test_stacked_experts_of_wrong_shape(stacked, tmp_path, key, new, got):
+    key = f"model.layers.1.mlp.experts.{key}"
+    want = (8, 128, 96) if key.endswith("gate_up_proj") else (8, 96, 64)
+    folder = Path(shutil.copytree(stacked, tmp_path / "st"))
+    path = edit_tensors(folder, lambda sd: sd.__setitem__(key, new(sd[key])))
+    with pytest.raises(CheckpointError, match="the config.json does not match these weights") as e:
+        read_checkpoint(folder)
+    one_line(e, path, key, f"has shape {got}, config implies {want}")
 
 
 # ------------------------------------------------------------------------------------------- quantized storage
@@ -351,6 +440,13 @@ def test_index_names_key_in_no_shard(shards):
 def test_index_not_an_index(shards, text):
     (shards / INDEX_FILE).write_text(text)
     with pytest.raises(CheckpointError, match="not a safetensors index") as e:
+        read_checkpoint(shards)
+    one_line(e, shards / INDEX_FILE)
+
+
+def test_index_not_utf8(shards):
+    (shards / INDEX_FILE).write_bytes(b'\xff\xfe{"weight_map": {}}')
+    with pytest.raises(CheckpointError, match="not UTF-8 text .*regenerate it as UTF-8 JSON") as e:
         read_checkpoint(shards)
     one_line(e, shards / INDEX_FILE)
 
