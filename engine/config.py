@@ -102,10 +102,16 @@ class Config:
             for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
                 if key in rs and (isinstance(rs[key], bool) or not isinstance(rs[key], (int, float))):
                     raise ConfigError(f"config: rope_scaling (yarn) {key} must be a number, got {rs[key]!r}")
-        method = (self.quantization_config or {}).get("quant_method", "fp8")
+        q = self.quantization_config or {}
+        method = q.get("quant_method", "fp8")
         if method != "fp8":
             raise ConfigError(f"config: quantization_config quant_method {method!r} is not supported: the official "
                               f"V4 layout is fp8 (with MXFP4 experts)")
+        for key in ("fmt", "scale_fmt", "weight_block_size", "expert_dtype"):  # absent: the official value
+            got, want = q.get(key, QUANTIZATION_CONFIG[key]), QUANTIZATION_CONFIG[key]
+            if (list(got) if isinstance(got, tuple) else got) != want:
+                raise ConfigError(f"config: quantization_config {key} {got!r} is not supported: this engine reads "
+                                  f"only {want!r} (FP8 e4m3 with UE8M0 128x128 block scales, MXFP4 experts)")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
@@ -136,6 +142,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> Config:
+        """A config from official or transformers names. Optional fields it lacks take the defaults above,
+        V4-Flash's values except rope_scaling (none) and num_hash_layers (0), as transformers' DeepseekV4Config
+        fills them in: a partial config.json loads, so it must name every field where the model differs."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: not a JSON object: expected {{\"hidden_size\": ..., ...}}")
         d = dict(d)
@@ -149,6 +158,8 @@ class Config:
                                                                          "a number")):
             if d.get(key) is not None and (not isinstance(d[key], kind) or isinstance(d[key], bool)):
                 raise ConfigError(f"{source}: field {key} must be {what}, got {d[key]!r}")
+        if d.get("expert_dtype") is not None and isinstance(d.get("quantization_config"), dict):
+            d["quantization_config"] = {"expert_dtype": d["expert_dtype"], **d["quantization_config"]}  # V4's place
         if "num_hash_layers" not in d and "mlp_layer_types" in d:
             d["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
@@ -175,6 +186,7 @@ class Config:
 
     @classmethod
     def load(cls, path: str | Path) -> Config:
+        """config.json of a checkpoint folder (or that file); missing fields default as in `from_dict`."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         try:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from cdna2_engine import CheckpointError, ConfigError, checkpoint, load_model
 from cdna2_engine.checkpoint import INDEX_FILE, convert_hf_checkpoint, read_checkpoint
+from cdna2_engine.config import QUANTIZATION_CONFIG
 from cdna2_engine.ops import QWeight
 
 from tiny_configs import make_checkpoint, make_config
@@ -525,6 +526,17 @@ def test_config_missing_required_field(ck, field):
      "rope_scaling \\(yarn\\) beta_fast must be a number, got 'abc'", "rope_scaling"),
     (dict(quantization_config={"quant_method": "int4"}), "quant_method 'int4' is not supported",
      "quantization_config"),
+    (dict(quantization_config=dict(QUANTIZATION_CONFIG, weight_block_size=[64, 64])),
+     r"quantization_config weight_block_size \[64, 64\] is not supported: this engine reads only \[128, 128\]",
+     "quantization_config"),
+    (dict(quantization_config=dict(QUANTIZATION_CONFIG, fmt="e5m2")), "fmt 'e5m2' is not supported.* 'e4m3'",
+     "quantization_config"),
+    (dict(quantization_config=dict(QUANTIZATION_CONFIG, scale_fmt="float")), "scale_fmt 'float' .* 'ue8m0'",
+     "quantization_config"),
+    (dict(quantization_config=dict(QUANTIZATION_CONFIG, expert_dtype="fp8")), "expert_dtype 'fp8' .* 'fp4'",
+     "quantization_config"),
+    (dict(quantization_config={"quant_method": "fp8"}, expert_dtype="fp8"),  # V4's top-level place for it
+     "quantization_config expert_dtype 'fp8' is not supported", "expert_dtype"),
     (dict(mlp_layer_types=5, num_hash_layers=_DELETE), "field mlp_layer_types must be a list, got 5",
      "mlp_layer_types"),
     (dict(rope_parameters={"main": 5, "compress": {"rope_theta": 1e4}}),
@@ -551,6 +563,14 @@ def test_config_of_another_model(ck, changes, key):
     with pytest.raises(CheckpointError, match="the config.json does not match these weights") as e:
         load_model(ck)
     one_line(e, ck / ST, key)
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8"}, {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                   dict(QUANTIZATION_CONFIG, expert_dtype=_DELETE)])
+def test_config_quantization_keys_may_be_absent(ck, good, quant):
+    """Absent keys mean the official values; V4 keeps expert_dtype beside quantization_config, not in it."""
+    edit_config(ck, quantization_config={k: v for k, v in quant.items() if v is not _DELETE}, expert_dtype="fp4")
+    same_weights(read_checkpoint(ck)[1], read_checkpoint(good)[1])
 
 
 def test_config_not_utf8(ck):
