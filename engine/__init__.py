@@ -20,16 +20,18 @@ __all__ = ["load_model", "convert_hf_checkpoint", "Model", "Config", "Generation
            "CheckpointError", "ConfigError"]
 __version__ = "0.1.0"
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = {"float64": torch.float64, "fp64": torch.float64, "double": torch.float64, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend: str = "reference",
-               dtype: torch.dtype | str | None = None, reference_ops: list[str] | None = None) -> Model:
+               dtype: torch.dtype | str | None = None, reference_ops: str | list[str] | None = None) -> Model:
     """Load a checkpoint folder (official or transformers layout) onto `device`.
 
     dtype: activation dtype; default float32 on the CPU and bfloat16 on a GPU. backend: "reference"
-    (plain torch) or "triton"; `reference_ops` names triton ops to run from the reference instead.
+    (plain torch) or "triton"; `reference_ops` names triton ops to run from the reference instead (a list, or a
+    comma list as env CDNA2_REFERENCE_OPS takes, which it overrides).
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:

@@ -696,7 +696,7 @@ def test_packed_weights_are_not_dequantized(good):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dtype="float8"), "unknown dtype 'float8'"),
-    (dict(dtype="fp32"), "unknown dtype 'fp32'"),
+    (dict(dtype="fp8"), "unknown dtype 'fp8'"),
     (dict(backend="cuda-graphs"), "unknown backend 'cuda-graphs'"),
     (dict(device="cuda"), "torch sees no GPU: use device='cpu'"),
     (dict(device="cuda:1", dtype="float32"), "torch sees no GPU"),
@@ -713,6 +713,33 @@ def test_load_model_gpu_index_past_the_last_gpu(good, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"device cuda:9: torch sees 2 GPU\(s\), so use cuda:0 to cuda:1") as e:
         load_model(good, device="cuda:9")
+    one_line(e)
+
+
+@pytest.mark.parametrize("alias, dtype", [("fp32", torch.float32), ("float", torch.float32), ("fp16", torch.float16),
+                                          ("half", torch.float16), ("fp64", torch.float64), ("double", torch.float64)])
+def test_load_model_dtype_aliases(good, alias, dtype):
+    assert load_model(good, dtype=alias).dtype == dtype
+
+
+@pytest.mark.parametrize("given, want", [("attention", ["attention"]), ("attention, topk", ["attention", "topk"]),
+                                         (["attention"], ["attention"])])
+def test_reference_ops_given_as_a_string(good, monkeypatch, given, want):
+    """A str is one name or a comma list, as env CDNA2_REFERENCE_OPS is read, never a list of its characters."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("CDNA2_REFERENCE_OPS", raising=False)
+    ops = load_model(good, backend="triton", reference_ops=given).ops
+    assert list(ops.reference_ops) == want
+    assert ops.attention.__module__.endswith("reference") and ops.linear.__module__.endswith("triton")
+
+
+@pytest.mark.parametrize("given, env, where", [(["linaer"], "", "in reference_ops"),
+                                               ("linear,bogus", "linear", "in reference_ops"),
+                                               (None, "linear,bogus", "in env CDNA2_REFERENCE_OPS")])
+def test_unknown_reference_op_says_where_it_came_from(good, monkeypatch, given, env, where):
+    monkeypatch.setenv("CDNA2_REFERENCE_OPS", env)
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['(linaer|bogus)'\] " + where) as e:
+        load_model(good, reference_ops=given)
     one_line(e)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -83,16 +84,25 @@ def triton_check(triton_version: str | None) -> None:
                            "use the reference backend")
 
 
-def get_ops(backend: str = "reference", reference_ops: list[str] | None = None) -> SimpleNamespace:
+def split_names(names: str | Iterable[str]) -> list[str]:
+    """Names as a list, from a list or a comma list ("linear,rope"; one name alone): a str argument must not
+    be taken apart into its characters."""
+    if isinstance(names, str):
+        return [s.strip() for s in names.split(",") if s.strip()]
+    return list(names)
+
+
+def get_ops(backend: str = "reference", reference_ops: str | Iterable[str] | None = None) -> SimpleNamespace:
     """The op table for `backend`, with `reference_ops` (or env CDNA2_REFERENCE_OPS) taken from reference."""
     from . import reference
 
+    source = "reference_ops"
     if reference_ops is None:
-        env = os.environ.get("CDNA2_REFERENCE_OPS", "")
-        reference_ops = [s.strip() for s in env.split(",") if s.strip()]
+        reference_ops, source = os.environ.get("CDNA2_REFERENCE_OPS", ""), "env CDNA2_REFERENCE_OPS"
+    reference_ops = split_names(reference_ops)
     unknown = sorted(set(reference_ops) - set(OP_NAMES))
     if unknown:  # checked for either backend: a typo should not pass silently where it does nothing
-        raise ValueError(f"unknown op(s) {unknown} in CDNA2_REFERENCE_OPS: choose from {list(OP_NAMES)}")
+        raise ValueError(f"unknown op(s) {unknown} in {source}: choose from {list(OP_NAMES)}")
     if backend == "reference":
         return SimpleNamespace(**{n: getattr(reference, n) for n in OP_NAMES}, backend="reference",
                                reference_ops=tuple(OP_NAMES))
