@@ -18,7 +18,7 @@ import torch
 
 from .cache import Cache, CompressorState, LayerCache, StaticCache, StaticCompressor, StaticLayer
 from .config import Config, rope_inv_freq
-from .ops import QWeight
+from .ops import QWeight, split_names
 from .streams import SideStream, stream_key
 
 
@@ -499,34 +499,40 @@ class Model:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, selections: dict | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] of a full prefill (float32; float64 when the model runs in float64)."""
+        """Logits [B, T, vocab] of a full prefill (float32; float64 when the model runs in float64).
+        `selections` forces sparse picks: {(layer, "router" | "indexer"): indices [B, T, k] or Selection}, as
+        `trace` records them for these input_ids (a hash layer's router routes by token id: not forceable)."""
         self._check_ids(input_ids)
-        return self.step(input_ids, self.new_cache(), _Ctx(selections, False, ()))
+        forced = self._check_selections(selections, input_ids)
+        return self.step(input_ids, self.new_cache(), _Ctx(forced, False, ()))
 
     __call__ = forward
 
     @torch.no_grad()
-    def trace(self, input_ids: torch.Tensor, *, taps: tuple[str, ...] | list[str] = (),
+    def trace(self, input_ids: torch.Tensor, *, taps: str | tuple[str, ...] | list[str] = (),
               selections: dict | None = None) -> Trace:
         """A full prefill that also records every sparse selection (with margins) and the named taps
         (see `tap_names`: e.g. "L.attn", "L.ffn", the hyper-connection streams after layer L's blocks).
         With `selections` forced, the recorded selections are the engine's own picks given that upstream
         (so a flip there is this layer's rounding, not a consequence of an earlier flip); the forced ones
-        are what the forward uses."""
+        are what the forward uses. `taps` may be one name or a comma list."""
         self._check_ids(input_ids)
-        self._check_taps(taps)
-        ctx = _Ctx(selections, True, tuple(taps))
+        taps = self._check_taps(taps)
+        ctx = _Ctx(self._check_selections(selections, input_ids), True, taps)
         logits = self.step(input_ids, self.new_cache(), ctx)
         return Trace(logits, ctx.selections, ctx.taps)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                 taps: tuple[str, ...] | list[str] = (), graph: bool | None = None) -> Generation:
+                 taps: str | tuple[str, ...] | list[str] = (), graph: bool | None = None) -> Generation:
         """Greedy decode (argmax ties -> lower id): a prefill, then one `decode` step per new token over a
         `StaticCache`. `graph` (default: on for CUDA/ROCm devices with the triton backend and no taps)
-        replays the step as a CUDA graph after the first one."""
-        self._check_ids(input_ids)
-        self._check_taps(taps)
+        replays the step as a CUDA graph after the first one. Prompt + max_new_tokens must fit in
+        max_position_embeddings (as vLLM's max_model_len)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        self._check_ids(input_ids, max_new_tokens)
+        taps = self._check_taps(taps)
         if graph is None:
             graph = self.graph_safe() and not taps
         if graph and taps:
@@ -535,7 +541,7 @@ class Model:
             raise ValueError(f"generate: graph=True needs a CUDA/ROCm device, the model is on {self.device}")
         B, T = input_ids.shape
         toks, logits, tapped = [], [], {t: [] for t in taps}
-        ctx = _Ctx(None, False, tuple(taps))
+        ctx = _Ctx(None, False, taps)
         cache, sc, replay = self.new_cache(), None, None
         out = self.step(input_ids, cache, ctx, last_only=True)[:, -1] if max_new_tokens else None
         for n in range(max_new_tokens):
@@ -549,11 +555,12 @@ class Model:
             if sc is None:
                 sc = self.static_cache(cache, T + max_new_tokens)
                 replay = DecodeGraph(self, sc) if graph else None
-            ctx = _Ctx(None, False, tuple(taps))
+            ctx = _Ctx(None, False, taps)
             out = (replay(ids) if replay else self.decode(ids, sc, ctx))[:, -1]
-        return Generation(
-            torch.cat(toks, 1) if toks else input_ids.new_zeros(B, 0),
-            torch.stack(logits, 1) if logits else torch.zeros(B, 0, self.cfg.vocab_size),
+        return Generation(  # no new tokens: empty, of the dtype and device n > 0 would give
+            torch.cat(toks, 1) if toks else torch.zeros(B, 0, dtype=torch.long, device=self.device),
+            torch.stack(logits, 1) if logits else torch.zeros(B, 0, self.cfg.vocab_size, dtype=_acc(self.dtype),
+                                                              device=self.device),
             {t: torch.stack(v, 1) for t, v in tapped.items()},
         )
 
@@ -563,19 +570,63 @@ class Model:
         return (self.device.type == "cuda" and self.ops.backend == "triton" and not self.ops.reference_ops
                 and self.dtype != torch.float64 and all(q.kind == "mxfp4" for e in self.experts for q in e.values()))
 
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
+    def _check_ids(self, input_ids: torch.Tensor, new_tokens: int = 0) -> None:
         """Once per public call, not per decode step (the range check syncs with a GPU)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.cfg.vocab_size):
+        if not input_ids.numel():
+            raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}): pass at least one row of "
+                             "at least one token")
+        T, limit = input_ids.shape[1], self.cfg.max_position_embeddings
+        if T + new_tokens > limit:
+            what = f"{T} prompt tokens + max_new_tokens {new_tokens}" if new_tokens else f"{T} tokens"
+            raise ValueError(f"input_ids: {what} exceed max_position_embeddings {limit}: shorten the prompt"
+                             + (" or ask for fewer tokens" if new_tokens else ""))
+        if input_ids.min() < 0 or input_ids.max() >= self.cfg.vocab_size:
             raise ValueError(f"input_ids out of range 0..{self.cfg.vocab_size - 1}")
 
-    def _check_taps(self, taps) -> None:
+    def _check_taps(self, taps: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        """The tap names as a tuple (a str is one name or a comma list), each one checked."""
+        taps = tuple(split_names(taps))
         valid = set(tap_names(self.cfg.num_hidden_layers))
         bad = sorted(set(taps) - valid)
         if bad:
             last = self.cfg.num_hidden_layers - 1
             raise ValueError(f"unknown tap(s) {bad}: use 'L.<{'|'.join(TAP_KINDS)}>' with L in 0..{last}")
+        return taps
+
+    def _check_selections(self, selections: dict | None, input_ids: torch.Tensor) -> dict:
+        """Forced selections as {(layer, kind): indices} on the model's device, every key, shape and id checked
+        against the config and input_ids [B, S]: a wrong one failed deep in the forward or was ignored."""
+        cfg, (B, S) = self.cfg, input_ids.shape
+        out = {}
+        for key, sel in (selections or {}).items():
+            i, kind = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+            if not (isinstance(i, int) and 0 <= i < cfg.num_hidden_layers and kind in ("router", "indexer")):
+                raise ValueError(f"selections: unknown key {key!r}: use (layer, 'router' | 'indexer') with layer in "
+                                 f"0..{cfg.num_hidden_layers - 1}")
+            if kind == "router" and cfg.is_hash_layer(i):
+                raise ValueError(f"selections: layer {i} routes by token id (num_hash_layers {cfg.num_hash_layers}), "
+                                 f"its router cannot be forced: drop key {key!r}")
+            if kind == "indexer" and cfg.compress_ratios[i] != 4:
+                raise ValueError(f"selections: layer {i} has no indexer (compress ratio {cfg.compress_ratios[i]}; "
+                                 f"CSA layers, ratio 4, have one): drop key {key!r}")
+            idx = sel.indices if isinstance(sel, Selection) else sel
+            if not (isinstance(idx, torch.Tensor) and idx.dtype in (torch.int64, torch.int32, torch.int16, torch.int8)):
+                raise ValueError(f"selections[{key!r}]: indices must be an integer tensor, got "
+                                 f"{getattr(idx, 'dtype', type(idx).__name__)}")
+            entries = S // 4  # CSA's compressed entries after a prefill of S tokens
+            k, lo, hi = ((cfg.num_experts_per_tok, 0, cfg.n_routed_experts - 1) if kind == "router"
+                         else (min(cfg.index_topk, entries), -1, entries - 1))
+            if tuple(idx.shape) != (B, S, k):
+                raise ValueError(f"selections[{key!r}] has shape {tuple(idx.shape)}, input_ids {(B, S)} need "
+                                 f"{(B, S, k)}: record them with trace on these input_ids")
+            if idx.numel() and (idx.min() < lo or idx.max() > hi):
+                what = "expert ids" if kind == "router" else "compressed entries (-1: none)"
+                raise ValueError(f"selections[{key!r}] holds ids {int(idx.min())}..{int(idx.max())}, outside {lo}..{hi}"
+                                 f" ({what} of layer {i} for {S} tokens)")
+            out[key] = idx.to(self.device)
+        return out
 
     # ------------------------------------------------------------------------------------------ math
     def step(self, input_ids: torch.Tensor, cache: Cache, ctx: _Ctx | None = None, *,
@@ -586,6 +637,9 @@ class Model:
         ctx = ctx or _Ctx(None, False, ())
         if last_only and (ctx._forced or ctx._record):
             raise ValueError("step: last_only cannot force or record sparse selections (they cover every position)")
+        if cache.pos + input_ids.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"step: {cache.pos} cached + {input_ids.shape[1]} new tokens exceed "
+                             f"max_position_embeddings {self.cfg.max_position_embeddings}")
         ids = input_ids.to(self.device)
         pos = torch.arange(cache.pos, cache.pos + ids.shape[1], device=self.device)
         ctx.begin(cache.pos)
@@ -598,6 +652,9 @@ class Model:
         """`cache` (after a prefill) in fixed shapes for `decode`, room for `capacity` tokens in all."""
         if capacity < cache.pos:
             raise ValueError(f"static cache capacity {capacity} is below the {cache.pos} tokens already cached")
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"static cache capacity {capacity} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}: decode no further than the model's positions")
         if not cache.batch:
             raise ValueError("static_cache needs a prefilled cache: run Model.step on the prompt first")
         layers = [a.to_static(c, cache.pos, cache.batch, capacity, self.dtype)

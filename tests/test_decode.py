@@ -247,3 +247,47 @@ def test_launch_lines_name_the_engine_file_however_it_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)},
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("formats.py:"), out
+
+
+@pytest.mark.parametrize("n", [-3, 2.0, True, None])
+def test_generate_refuses_a_bad_max_new_tokens(ckpt, n):
+    """-3 ran a whole prefill and returned nothing, 2.0 failed inside range(), None and True passed as 0 and 1."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"generate: max_new_tokens must be an int >= 0, got {n!r}$"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_generate_zero_tokens_has_the_types_of_more(ckpt, dtype):
+    """max_new_tokens 0 is valid: empty tokens and logits of the dtype and device that n > 0 gives (they were
+    int like the prompt, and float32 on the CPU whatever the model)."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).int()
+    none, one = model.generate(prompt, 0), model.generate(prompt, 1)
+    assert none.tokens.shape == (2, 0) and none.logits.shape == (2, 0, cfg.vocab_size)
+    for empty, made in ((none.tokens, one.tokens), (none.logits, one.logits)):
+        assert (empty.dtype, empty.device) == (made.dtype, made.device)
+
+
+def test_positions_past_max_position_embeddings_are_refused(tmp_path):
+    """Positions past max_position_embeddings ran silently; as vLLM's max_model_len, prompt + new tokens must fit."""
+    cfg = make_config("mixed", max_position_embeddings=24)
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=5), dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(16))
+    model.forward(ids[:, :24])  # at the limit: fine
+    assert model.generate(ids[:, :20], 4).tokens.shape == (1, 4)
+    full = model.new_cache()
+    model.step(ids[:, :24], full)
+    for call, match in [
+        (lambda: model.forward(ids), "input_ids: 25 tokens exceed max_position_embeddings 24: shorten the prompt$"),
+        (lambda: model.trace(ids), "input_ids: 25 tokens exceed max_position_embeddings 24"),
+        (lambda: model.generate(ids[:, :20], 5), r"input_ids: 20 prompt tokens \+ max_new_tokens 5 exceed "
+                                                 r"max_position_embeddings 24: shorten the prompt or ask for fewer"),
+        (lambda: model.step(ids[:, :1], full), r"step: 24 cached \+ 1 new tokens exceed max_position_embeddings 24"),
+        (lambda: model.static_cache(full, 25), "capacity 25 exceeds max_position_embeddings 24"),
+    ]:
+        with pytest.raises(ValueError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)

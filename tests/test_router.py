@@ -4,10 +4,15 @@ bias used for selection only, ties to the lower expert id, and the hash layers' 
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 
 import cdna2_engine
+from cdna2_engine.checkpoint import read_checkpoint
+from cdna2_engine.ops import get_ops
 
 from tiny_configs import make_checkpoint, make_config
 
@@ -42,10 +47,28 @@ def test_router_selection_matches_the_formula(tmp_path, scoring):
     ranked = biased.reshape(-1, cfg.n_routed_experts).sort(-1, descending=True).values
     assert torch.equal(ranked[:, k - 1], ranked[:, k]), "every row must tie at the k-th pick (the twins)"
     assert got == want
-    # the hash layer routes by token id: forcing its table's choice changes nothing
-    table = model.w["layers.0.ffn.gate.tid2eid"].long()
-    same = model.forward(ids, selections={(0, "router"): table[ids]})
-    assert torch.equal(same, tr.logits)
+
+
+def test_hash_layer_routes_by_its_table(tmp_path):
+    """A hash layer's experts are tid2eid[token]: the same weights with that layer top-k routed and its router
+    forced to the table's picks give the same logits. Forcing the hash layer's own router is refused (it
+    silently replaced the table)."""
+    cfg = make_config("csa-only", num_hash_layers=1)
+    path = make_checkpoint(tmp_path, cfg, seed=6)
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    picks = {(0, "router"): model.w["layers.0.ffn.gate.tid2eid"].long()[ids]}
+    with pytest.raises(ValueError, match=r"layer 0 routes by token id .* its router cannot be forced") as e:
+        model.forward(ids, selections=picks)
+    assert "\n" not in str(e.value)
+    w = read_checkpoint(path)[1]
+    del w["layers.0.ffn.gate.tid2eid"]
+    w["layers.0.ffn.gate.bias"] = torch.zeros(cfg.n_routed_experts)  # selects only; forced picks ignore it
+    topk = cdna2_engine.Model(replace(cfg, num_hash_layers=0), w, device=torch.device("cpu"), dtype=torch.float64,
+                              ops=get_ops())
+    hashed = model.forward(ids)
+    assert not torch.equal(topk.forward(ids), hashed)  # its own top-k picks other experts
+    assert torch.equal(topk.forward(ids, selections=picks), hashed)
 
 
 def test_bad_input_ids_and_taps_are_one_line_errors(tmp_path):
@@ -58,6 +81,30 @@ def test_bad_input_ids_and_taps_are_one_line_errors(tmp_path):
                 call(bad)
     with pytest.raises(ValueError, match=r"unknown tap\(s\) \['9.attn'\]"):
         model.trace(torch.tensor([[1, 2]]), taps=["9.attn"])
+    with pytest.raises(ValueError, match=r"unknown tap\(s\) \['9.attn'\]"):
+        model.trace(torch.tensor([[1, 2]]), taps="0.attn,9.attn")
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 4), (0, 0)])
+def test_empty_input_ids_are_refused(tmp_path, shape):
+    """No tokens (or no rows) failed deep in a reshape; generate ran nothing and returned empty."""
+    cfg = make_config("csa-only")
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=2), dtype=torch.float64)
+    for call in (model.forward, model.trace, lambda ids: model.generate(ids, 3)):
+        with pytest.raises(ValueError, match=rf"input_ids has no tokens \(shape {re.escape(str(shape))}\)") as e:
+            call(torch.zeros(shape, dtype=torch.long))
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("taps, want", [("0.attn", ["0.attn"]), ("0.attn, 1.ffn", ["0.attn", "1.ffn"]),
+                                        (["1.ffn"], ["1.ffn"])])
+def test_taps_given_as_a_string(tmp_path, taps, want):
+    """A str is one tap or a comma list (as reference_ops), not its characters."""
+    cfg = make_config("csa-only")
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=2), dtype=torch.float64)
+    ids = torch.tensor([[1, 2, 3]])
+    assert sorted(model.trace(ids, taps=taps).taps) == want
+    assert sorted(model.generate(ids, 2, taps=taps).taps) == want
 
 
 @pytest.mark.parametrize("scoring", sorted(SCORES))

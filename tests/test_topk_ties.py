@@ -6,6 +6,7 @@ depends on the row length, so a prefix prefill could then select differently fro
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cdna2_engine
@@ -59,3 +60,43 @@ def test_forced_selections_are_used(tmp_path):
     moved = tr.selections[(1, "router")].indices.roll(1, dims=1)  # other tokens' experts
     other = model.forward(ids, selections={(1, "router"): moved})
     assert not torch.allclose(other, tr.logits)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """`mixed` (layer 0 sliding and hash-routed, 1 CSA, 2 HCA, 3 CSA): the model, ids [2, 40] and their trace."""
+    cfg = make_config("mixed")
+    model = cdna2_engine.load_model(make_checkpoint(tmp_path_factory.mktemp("sel"), cfg, seed=8), dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(9))
+    return model, ids, model.trace(ids)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda r, x: {(4, "router"): r}, r"unknown key \(4, 'router'\): use \(layer, 'router' \| 'indexer'\) with "
+                                      r"layer in 0..3"),  # was ignored
+    (lambda r, x: {(1, "routr"): r}, r"unknown key \(1, 'routr'\)"),  # was ignored
+    (lambda r, x: {1: r}, "unknown key 1:"),
+    (lambda r, x: {(2, "indexer"): x}, r"layer 2 has no indexer \(compress ratio 128"),  # was ignored
+    (lambda r, x: {(0, "router"): r}, "layer 0 routes by token id"),  # replaced the hash routing
+    (lambda r, x: {(1, "router"): r[:1]}, r"\(1, 'router'\)\] has shape \(1, 40, 3\), input_ids \(2, 40\) need "
+                                          r"\(2, 40, 3\)"),  # was a raw torch error
+    (lambda r, x: {(1, "router"): r[:, :32]}, r"has shape \(2, 32, 3\), input_ids \(2, 40\) need \(2, 40, 3\)"),
+    (lambda r, x: {(1, "indexer"): x[..., :4]}, r"has shape \(2, 40, 4\), input_ids \(2, 40\) need \(2, 40, 5\)"),
+    (lambda r, x: {(1, "router"): r.float()}, "indices must be an integer tensor, got torch.float32"),
+    (lambda r, x: {(1, "router"): torch.full_like(r, 8)}, r"holds ids 8..8, outside 0..7 \(expert ids"),  # IndexError
+    (lambda r, x: {(1, "router"): r - 1}, r"holds ids -1..6, outside 0..7"),
+    (lambda r, x: {(3, "indexer"): x + 1}, r"holds ids 0..10, outside -1..9 \(compressed entries"),  # was ignored
+])
+def test_bad_forced_selections_are_one_line_errors(traced, make, match):
+    model, ids, tr = traced
+    sel = make(tr.selections[(1, "router")].indices, tr.selections[(1, "indexer")].indices)
+    for call in (model.forward, model.trace):
+        with pytest.raises(ValueError, match=match) as e:
+            call(ids, selections=sel)
+        assert "\n" not in str(e.value)
+
+
+def test_recorded_selections_force_as_tensors_or_selections(traced):
+    model, ids, tr = traced
+    assert torch.equal(model.forward(ids, selections=tr.selections), tr.logits)
+    assert torch.equal(model.forward(ids, selections={k: s.indices for k, s in tr.selections.items()}), tr.logits)
