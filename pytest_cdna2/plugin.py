@@ -4,15 +4,19 @@ Options live in the ``cdna2`` group of ``pytest --help``; each also reads from a
 with underscores (``cdna2_device = 0`` in ``[tool.pytest.ini_options]``); the command line wins. Ini paths
 are relative to the ini file, command-line paths to the current directory.
 
-Perf gating: perf-marked tests are sorted last and skipped, with the failed test ids as the reason, when any
-other test of the session failed; on the CPU they are skipped. Under xdist the session is split over
-workers, so no worker can know that everything passed: perf tests are skipped there with a reason saying
-to run them without ``-n``.
+Perf gating (``report.PerfGate``): perf-marked tests are sorted last, after any other plugin's reordering, and
+skipped, with the reason, unless the whole correctness suite passed in the same session: no test failed and no
+file failed to collect, nothing was deselected, and each required tier (weight, kernel, token, determinism, isa;
+with your own engine weight, token and determinism, since the kernel and isa tiers check the bundled engine's
+ops) had passing tests. Tiers are read from markers only. On the CPU perf is skipped. Under xdist the session
+is split over workers, so no worker can know that everything passed: perf tests are skipped there with a reason
+saying to run them without ``-n``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +35,7 @@ from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by b
     cdna2_tolerance,
 )
 from pytest_cdna2.goldens import BUNDLED_GOLDENS
-from pytest_cdna2.report import TIERS, PerfGate, TierTally
+from pytest_cdna2.report import TIERS, PerfGate, TierTally, tiers_of
 from pytest_cdna2.tolerance import ToleranceError, load_profile
 
 __all__ = ["BUNDLED", "DEFAULT_MODEL", "DEFAULT_GOLDENS", "MARKERS", "TIERS", "resolve_settings"]
@@ -172,14 +176,22 @@ def _resolve(config: pytest.Config) -> Settings:
                     bool(_opt(config, "perf-on-cpu")[0]), dtype)
 
 
+# the correctness tiers perf needs: the kernel and isa tiers check the bundled engine's ops and Triton kernels, so
+# with your own engine (whose kernel tests skip) they do not apply
+REQUIRED_TIERS = ("weight", "kernel", "token", "determinism", "isa")
+REQUIRED_TIERS_OWN_ENGINE = ("weight", "token", "determinism")
+
+
+@pytest.hookimpl(trylast=True)  # registers _PerfLast after the plugins that register theirs in pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     settings = resolve_settings(config)
     config.stash[SETTINGS] = settings
-    config.stash[_GATE] = PerfGate()
+    config.stash[_GATE] = PerfGate(REQUIRED_TIERS if settings.engine == "bundled" else REQUIRED_TIERS_OWN_ENGINE)
     config.stash[_TALLY] = TierTally()
     config.pluginmanager.register(_Recorder(config.stash[_GATE], config.stash[_TALLY]), "cdna2-recorder")
+    config.pluginmanager.register(_PerfLast(), "cdna2-perf-last")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -193,23 +205,46 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("perf") is not None)  # stable: perf last
+def _is_perf(item: pytest.Item) -> bool:
+    return item.get_closest_marker("perf") is not None
+
+
+class _PerfLast:
+    """Sorts perf tests last (stable) after every other plugin's reordering (--ff, --nf, random orders): those
+    wrap pytest_collection_modifyitems too, and a tryfirst wrapper registered after theirs is the outermost, so
+    this sort runs last. pytest_runtest_setup still refuses a perf test that some correctness test follows."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
+        result = yield
+        items.sort(key=_is_perf)
+        return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+    """Tag each report with the test's tier markers: reports carry keywords (folder names, parametrize ids), not
+    markers, and the tag travels with the report from xdist workers."""
+    report = yield
+    report.cdna2_tiers = tiers_of(item)
+    return report
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("perf") is None:
+    if not _is_perf(item):
         return
     s = item.config.stash[SETTINGS]
-    reason = item.config.stash[_GATE].skip_reason(
-        device=s.device, xdist_worker=hasattr(item.config, "workerinput"), perf_on_cpu=s.perf_on_cpu
-    )
+    gate = item.config.stash[_GATE]
+    pending = [i.nodeid for i in item.session.items if not _is_perf(i) and i.nodeid not in gate.finished]
+    reason = gate.skip_reason(device=s.device, xdist_worker=hasattr(item.config, "workerinput"),
+                              perf_on_cpu=s.perf_on_cpu, pending=pending)
     if reason:
         raise pytest.skip.Exception(reason, _use_item_location=True)  # -rs shows the test, not this line
 
 
 class _Recorder:
-    """Registered per session: sees every test report (under xdist, the workers' too, in the controller)."""
+    """Registered per session: sees every test and collection report (under xdist, the workers' too, in the
+    controller) and every deselection."""
 
     def __init__(self, gate: PerfGate, tally: TierTally) -> None:
         self.gate, self.tally = gate, tally
@@ -217,6 +252,12 @@ class _Recorder:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.gate.record(report)
         self.tally.add(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self.gate.record_collect(report)
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        self.gate.deselected += sum(not _is_perf(i) for i in items)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -17,6 +17,7 @@ import pytest
 __all__ = [
     "TIERS",
     "METRIC_PROPERTY",
+    "tiers_of",
     "record_metric",
     "metrics_csv",
     "attach_to_allure",
@@ -127,49 +128,82 @@ def attach_to_allure(item: pytest.Item) -> None:
     allure.attach(metrics_csv(metrics), name="cdna2 metrics", attachment_type=allure.attachment_type.CSV)
 
 
-def tier_of(keywords: Iterable[str]) -> str | None:
-    """The first tier marker among a test's keywords, or None for an untiered test."""
-    kw = set(keywords)
-    return next((t for t in TIERS if t in kw), None)
+def tiers_of(item: pytest.Item) -> tuple[str, ...]:
+    """The tier markers of a test, from its markers only: a folder named ``perf/`` or a parametrize id "kernel"
+    is a keyword, not a tier."""
+    return tuple(t for t in TIERS if item.get_closest_marker(t) is not None)
+
+
+def tier_of(tiers: Iterable[str]) -> str | None:
+    """The tier a test is counted in: its first tier marker in TIERS order, or None for an untiered test."""
+    have = set(tiers)
+    return next((t for t in TIERS if t in have), None)
+
+
+def _ids(ids: list[str]) -> str:
+    return ", ".join(ids[:10]) + (f", ... ({len(ids)} in all)" if len(ids) > 10 else "")
 
 
 class PerfGate:
-    """Perf tests run last and only when every other test of the session passed (or skipped)."""
+    """Perf tests run last and only after the whole correctness suite passed in the same session: no test failed
+    or errored, nothing failed to collect, no test was deselected (-k, -m, --lf), every other test has run, and
+    each required tier had a passing test."""
 
-    REQUIRED = ("weight", "kernel", "token")  # correctness tiers that must have passed in this session
-
-    def __init__(self) -> None:
+    def __init__(self, required: tuple[str, ...]) -> None:
+        self.required = required  # correctness tiers that must have passed in this session
         self.failed: list[str] = []
+        self.collect_errors: list[str] = []
+        self.deselected = 0
+        self.finished: set[str] = set()  # non-perf tests whose teardown has reported
         self.passed_tiers: set[str] = set()
 
     def record(self, report: pytest.TestReport) -> None:
-        """Remember a failed non-perf test (any phase) and which tiers had a passing test."""
-        if report.failed and "perf" not in report.keywords and report.nodeid not in self.failed:
+        """Remember a failed non-perf test (any phase), the tiers that had a passing test, and finished tests.
+        The tiers come from ``report.cdna2_tiers`` (set from the item's markers when the report was made); a
+        report without it (a crashed xdist worker's) counts as a correctness test."""
+        tiers = getattr(report, "cdna2_tiers", ())
+        if "perf" in tiers:
+            return
+        if report.failed and report.nodeid not in self.failed:
             self.failed.append(report.nodeid)
         if report.when == "call" and report.passed:
-            tier = tier_of(report.keywords)
-            if tier:
-                self.passed_tiers.add(tier)
+            self.passed_tiers.update(tiers)
+        if report.when == "teardown":
+            self.finished.add(report.nodeid)
 
-    def skip_reason(self, *, device: str, xdist_worker: bool, perf_on_cpu: bool) -> str | None:
-        """Why a perf test must not run now, or None when it may."""
+    def record_collect(self, report: pytest.CollectReport) -> None:
+        """A file (or folder) that failed to collect hides its tests: it blocks perf like a failed test."""
+        if report.failed:
+            self.collect_errors.append(report.nodeid or "(session)")
+
+    def skip_reason(self, *, device: str, xdist_worker: bool, perf_on_cpu: bool,
+                    pending: list[str] | None = None) -> str | None:
+        """Why a perf test must not run now, or None when it may. ``pending``: correctness tests of the session
+        that have not run yet."""
         if xdist_worker:
             return (
                 "cdna2 perf: gated on the whole session, which xdist splits over workers; run the "
                 "suite without -n (`pytest --cdna2-device=N -p no:xdist`), correctness tiers and perf in one run"
             )
         if self.failed:
-            shown = ", ".join(self.failed[:10])
-            if len(self.failed) > 10:
-                shown += f", ... ({len(self.failed)} in all)"
-            return f"cdna2 perf: skipped because {len(self.failed)} correctness test(s) failed: {shown}"
+            return f"cdna2 perf: skipped because {len(self.failed)} correctness test(s) failed: {_ids(self.failed)}"
+        if self.collect_errors:
+            return (f"cdna2 perf: skipped because {len(self.collect_errors)} collection error(s) hid tests: "
+                    f"{_ids(self.collect_errors)}")
         if device == "cpu" and not perf_on_cpu:
             return "cdna2 perf: the device is the CPU; perf numbers need a GPU (--cdna2-device=N)"
-        missing = [t for t in self.REQUIRED if t not in self.passed_tiers]
+        why = []
+        if self.deselected:
+            why.append(f"{self.deselected} correctness test(s) deselected (-k, -m, --lf, --sw)")
+        if pending:
+            why.append(f"{len(pending)} correctness test(s) not run yet (ordered after perf): {_ids(pending)}")
+        missing = [t for t in self.required if t not in self.passed_tiers]
         if missing:
-            return (f"cdna2 perf: no passing {', '.join(missing)} test in this session; perf runs only after the "
-                    "correctness tiers passed in the same run (run the whole suite, not -m perf)")
-        return None
+            why.append(f"no passing {', '.join(missing)} test in this session")
+        if not why:
+            return None
+        return (f"cdna2 perf: {'; '.join(why)}: perf runs only after the whole suite passed in the same run "
+                f"(every {', '.join(self.required)} test selected and passing; `pytest --cdna2-device=N`)")
 
 
 @dataclass
@@ -188,7 +222,7 @@ class TierTally:
 
     def add(self, report: pytest.TestReport) -> None:
         """Fold one phase report (setup/call/teardown) into its test's final outcome."""
-        t = self.tests.setdefault(report.nodeid, _Outcome(tier_of(report.keywords)))
+        t = self.tests.setdefault(report.nodeid, _Outcome(tier_of(getattr(report, "cdna2_tiers", ()))))
         if report.failed:
             t.outcome = "failed"
         elif report.skipped and t.outcome != "failed":

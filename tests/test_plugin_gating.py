@@ -31,6 +31,14 @@ def test_kernel(cdna2_record):
 def test_weight():
     pass
 
+@pytest.mark.determinism
+def test_determinism():
+    pass
+
+@pytest.mark.isa
+def test_isa():
+    pass
+
 def test_untiered():
     pass
 """
@@ -39,7 +47,7 @@ def test_untiered():
 def test_perf_runs_last_when_everything_passed(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-perf-on-cpu", "-v", "-s")
-    r.assert_outcomes(passed=6)
+    r.assert_outcomes(passed=8)
     lines = [line for line in r.outlines if "::" in line and ("PASSED" in line or "PERF RAN" in line)]
     assert "test_bench" in lines[-1]  # defined first in the file, run last
 
@@ -47,7 +55,7 @@ def test_perf_runs_last_when_everything_passed(pytester):
 def test_perf_skipped_naming_the_failed_tests(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
-    r.assert_outcomes(passed=4, failed=1, skipped=1)
+    r.assert_outcomes(passed=6, failed=1, skipped=1)
     r.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] *cdna2 perf: skipped because 1 correctness test(s) failed: "
         "test_perf_skipped_naming_the_failed_tests.py::test_tokens[[]False[]]"
@@ -60,14 +68,16 @@ def test_perf_alone_is_not_gated_by_nothing(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-perf-on-cpu", "-m", "perf", "-rs")
     r.assert_outcomes(skipped=1)
-    r.stdout.fnmatch_lines(["*cdna2 perf: no passing weight, kernel, token test in this session*"])
+    r.stdout.fnmatch_lines(["*cdna2 perf: 7 correctness test(s) deselected (-k, -m, --lf, --sw); no passing weight, "
+                            "kernel, token, determinism, isa test in this session: perf runs only after the whole "
+                            "suite passed in the same run*"])
     assert "PERF RAN" not in r.stdout.str()
 
 
 def test_perf_skipped_on_cpu(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-device=cpu", "-rs")
-    r.assert_outcomes(passed=5, skipped=1)
+    r.assert_outcomes(passed=7, skipped=1)
     r.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] test_perf_skipped_on_cpu.py:*: cdna2 perf: the device is the CPU; perf numbers need a GPU "
         "(--cdna2-device=N)"
@@ -93,6 +103,98 @@ def test_a_setup_error_also_gates_perf(pytester):
     r.stdout.fnmatch_lines(["*correctness test(s) failed: test_a_setup_error_also_gates_perf.py::test_needs"])
 
 
+def test_tiers_come_from_markers_not_keywords(pytester):
+    """A folder named perf/ and parametrize ids "kernel"/"perf" are keywords, not tiers: an unmarked failing test
+    in perf/ still blocks perf, and a test with the id "kernel" is not a passing kernel test."""
+    pytester.makepyfile(TESTS.format(ok2=True).replace("@pytest.mark.kernel\n", ""))
+    pytester.mkpydir("perf")
+    (pytester.path / "perf" / "test_in_perf_folder.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('x', ['kernel', 'perf'])\n"
+        "def test_named(x):\n    assert x != 'perf'\n"
+    )
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(passed=8, failed=1, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: skipped because 1 correctness test(s) failed: "
+                            "perf/test_in_perf_folder.py::test_named[[]perf[]]"])
+    (pytester.path / "perf" / "test_in_perf_folder.py").write_text(
+        "import pytest\n@pytest.mark.parametrize('x', ['kernel'])\ndef test_named(x):\n    pass\n")
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(passed=8, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: no passing kernel test in this session*"])
+
+
+def test_a_collection_error_gates_perf(pytester):
+    """With --continue-on-collection-errors the tests of a broken module never run: perf must not either."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    pytester.makepyfile(test_broken="import pytest\npytestmark = pytest.mark.token\nraise ImportError('broken')\n")
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", "--continue-on-collection-errors")
+    r.assert_outcomes(passed=7, skipped=1, errors=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: skipped because 1 collection error(s) hid tests: test_broken.py*"])
+    assert "PERF RAN" not in r.stdout.str()
+
+
+def test_a_selection_of_correctness_tests_does_not_open_the_gate(pytester):
+    """One passing test per tier picked with -k is not the suite: any deselected correctness test keeps perf
+    skipped, and every required tier (determinism and isa too) needs a passing test."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", "-k", "weight or kernel or tokens or bench or isa")
+    r.assert_outcomes(passed=5, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: 2 correctness test(s) deselected (-k, -m, --lf, --sw); no passing "
+                            "determinism test in this session*"])
+    pytester.makepyfile(TESTS.format(ok2=True).replace("@pytest.mark.isa\n", ""))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(passed=7, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: no passing isa test in this session*"])
+
+
+def test_your_own_engine_needs_no_kernel_or_isa_tier(pytester):
+    """The kernel tier skips for your engine (it checks the bundled engine's ops) and the isa tier compiles the
+    bundled kernels: perf then needs weight, token and determinism only."""
+    pytester.makepyfile(TESTS.format(ok2=True).replace("@pytest.mark.kernel\n", "").replace("@pytest.mark.isa\n", ""))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", "--cdna2-engine=test_plugin_fake_engine:make_model")
+    r.assert_outcomes(passed=8)
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")  # the bundled engine: both required
+    r.stdout.fnmatch_lines(["*cdna2 perf: no passing kernel, isa test in this session*"])
+
+
+def test_perf_sorts_last_after_failed_first(pytester):
+    """--ff (the cache plugin's reordering, a tryfirst wrapper) must not put perf before the correctness tests."""
+    pytester.makepyfile(TESTS.format(ok2=True).replace('print("PERF RAN")', 'assert not PERF_FAILS'))
+    pytester.makeconftest("import builtins\nbuiltins.PERF_FAILS = True\n")
+    run(pytester, "-p", "cacheprovider", "--cdna2-perf-on-cpu").assert_outcomes(passed=7, failed=1)
+    pytester.makeconftest("import builtins\nbuiltins.PERF_FAILS = False\n")
+    r = run(pytester, "-p", "cacheprovider", "--cdna2-perf-on-cpu", "--ff", "-v")
+    r.assert_outcomes(passed=8)
+    lines = [line for line in r.outlines if "::" in line and "PASSED" in line]
+    assert "test_bench" in lines[-1], lines
+
+
+def test_perf_refuses_to_run_before_a_correctness_test(pytester):
+    """A plugin that reorders after collection (here at session start, outside every modifyitems wrapper) cannot
+    make perf run before correctness tests: the gate names the tests still to run."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    pytester.makeconftest(
+        """
+        import pytest
+
+        class PerfFirst:
+            @pytest.hookimpl(wrapper=True, tryfirst=True)
+            def pytest_collection_modifyitems(self, items):
+                result = yield
+                items.sort(key=lambda item: item.get_closest_marker("perf") is None)
+                return result
+
+        def pytest_sessionstart(session):
+            session.config.pluginmanager.register(PerfFirst())
+        """
+    )
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
+    r.assert_outcomes(passed=7, skipped=1)
+    r.stdout.fnmatch_lines(["*cdna2 perf: 7 correctness test(s) not run yet (ordered after perf): "
+                            "test_perf_refuses_to_run_before_a_correctness_test.py::test_tokens[[]True0[]]*"])
+
+
 def test_terminal_summary_per_tier_with_worst_metric(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu")
@@ -115,7 +217,7 @@ def test_no_summary_without_tiered_tests(pytester):
 
 def test_metrics_land_in_junit_xml(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
-    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=5, skipped=1)
+    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=7, skipped=1)
     xml = (pytester.path / "out.xml").read_text()
     assert '<property name="cdna2_metric" value="{' in xml and "'metric': 'kl_max', 'value': 0.0001" in xml
 
@@ -126,7 +228,7 @@ def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, mo
     pytester.makepyfile(TESTS.format(ok2=True))
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     r = pytester.runpytest_subprocess("-n", "1", "--cdna2-device=cpu", "--cdna2-perf-on-cpu", "-rs", *FAST)
-    r.assert_outcomes(passed=5, skipped=1)
+    r.assert_outcomes(passed=7, skipped=1)
     r.stdout.fnmatch_lines([
         "token        2 passed, 0 failed, 0 skipped",
         "    worst kl_max 1.000e-04 (limit <= 1.000e-03, ok) in *",
@@ -137,7 +239,7 @@ def test_under_xdist_perf_skips_and_summary_collects_worker_metrics(pytester, mo
 def test_metrics_are_attached_to_allure_as_csv(pytester):
     pytest.importorskip("allure")
     pytester.makepyfile(TESTS.format(ok2=True))
-    run(pytester, "--alluredir=allure").assert_outcomes(passed=5, skipped=1)
+    run(pytester, "--alluredir=allure").assert_outcomes(passed=7, skipped=1)
     csvs = [p.read_text() for p in (pytester.path / "allure").glob("*-attachment.csv")]
     assert len(csvs) == 3  # test_tokens x2 and test_kernel
     assert "metric,value,op,limit,ok,what\nrel_fro,3e-06,<=,1e-05,True,\n" in csvs
