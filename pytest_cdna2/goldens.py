@@ -48,6 +48,7 @@ __all__ = [
     "GoldenStore",
     "GoldenWriter",
     "BUNDLED_GOLDENS",
+    "read_manifest",
     "greedy_mismatch",
     "sha256_file",
     "encode_prompt",
@@ -183,29 +184,11 @@ class GoldenStore:
     # -- opening and verification -------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, expected_model_sha256: str | None = None) -> GoldenStore:
-        """Read the manifest, check it is for ``expected_model_sha256`` (when given), verify every file's hash,
-        then the contents (:meth:`check_contents`)."""
+        """Read the manifest (:func:`read_manifest`), check it is for ``expected_model_sha256`` (when given), verify
+        every file's hash, then the contents (:meth:`check_contents`)."""
         path = Path(path)
         mpath = path / MANIFEST
-        if path.exists() and not path.is_dir():
-            raise GoldenError(f"golden store {path} is a file, not a folder: pass the store's folder")
-        if not path.is_dir():
-            raise GoldenError(f"golden store {path} does not exist; {_BUILD_HINT}")
-        if not mpath.is_file():
-            raise GoldenError(f"no {MANIFEST} in {path}: not a golden store; {_BUILD_HINT}")
-        try:
-            manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise GoldenError(f"{mpath}: not valid JSON ({e}); {_BUILD_HINT}") from None
-        for key in ("format", "model_sha256", "prompts", "files"):
-            if not isinstance(manifest, dict) or key not in manifest:
-                raise GoldenError(f"{mpath}: missing key {key!r}; {_BUILD_HINT}")
-        if manifest["format"] != FORMAT:
-            raise GoldenError(
-                f"{mpath}: format {manifest['format']!r}, this pytest-cdna2 reads format {FORMAT}; "
-                f"{_BUILD_HINT}"
-            )
-        _check_layout(manifest, mpath)
+        manifest = read_manifest(path)
         have = manifest["model_sha256"]
         if expected_model_sha256 is not None and have is None:
             raise GoldenError(
@@ -403,6 +386,35 @@ def greedy_mismatch(teacher: torch.Tensor, greedy: torch.Tensor, dtype: str) -> 
     step = int(bad[0])
     return (f"greedy logits differ from the teacher-forced logits by {diff[step].item():.3g} at step {step} "
             f"(limit {limit:.3g}): the engine's incremental decode disagrees with its own prefill")
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A store's manifest, its shape checked (no hashes, no tensors): what the suite reads at collection to name
+    the prompts, and the first step of :meth:`GoldenStore.open`. Anything wrong is one GoldenError naming the
+    file."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if path.exists() and not path.is_dir():
+        raise GoldenError(f"golden store {path} is a file, not a folder: pass the store's folder")
+    if not path.is_dir():
+        raise GoldenError(f"golden store {path} does not exist; {_BUILD_HINT}")
+    if not mpath.is_file():
+        raise GoldenError(f"no {MANIFEST} in {path}: not a golden store; {_BUILD_HINT}")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GoldenError(f"{mpath}: not valid JSON ({e}); {_BUILD_HINT}") from None
+    except OSError as e:
+        raise GoldenError(f"{mpath}: cannot read it ({e.strerror or e})") from None
+    for key in ("format", "model_sha256", "prompts", "files"):
+        if not isinstance(manifest, dict) or key not in manifest:
+            raise GoldenError(f"{mpath}: missing key {key!r}; {_BUILD_HINT}")
+    if manifest["format"] != FORMAT:
+        raise GoldenError(
+            f"{mpath}: format {manifest['format']!r}, this pytest-cdna2 reads format {FORMAT}; {_BUILD_HINT}"
+        )
+    _check_layout(manifest, mpath)
+    return manifest
 
 
 def _check_layout(manifest: dict, mpath: Path) -> None:
