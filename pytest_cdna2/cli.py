@@ -103,12 +103,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_device(spec: str) -> str:
+    """--device as ``--cdna2-device`` reads it (cpu, N or cuda:N), one device."""
+    import pytest
+
+    try:
+        found = devices.parse_device_spec(spec, option="--device")
+    except pytest.UsageError as e:
+        raise _Fail(str(e)) from None
+    if len(found) != 1:
+        raise _Fail(f"--device={spec}: bisect runs on one device: cpu, N or cuda:N")
+    return found[0]
+
+
 def cmd_bisect(args: argparse.Namespace) -> int:
     """Name the first failing prompt's drifting layer/sub-block and, on triton, the culprit kernel."""
     from pytest_cdna2.bisect import bisect_run
 
+    device = _one_device(args.device)
     lines = bisect_run(_existing_dir(args.model, "--model"), _existing_dir(args.goldens, "--goldens"),
-                       backend=args.backend, dtype=args.dtype, device=args.device, engine=args.engine,
+                       backend=args.backend, dtype=args.dtype, device=device, engine=args.engine,
                        prompts=args.prompt or None, tolerance=args.tolerance)
     print("\n".join(lines))
     return 1 if any(" FAIL " in f" {ln}" for ln in lines) else 0
@@ -129,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--goldens", required=True, metavar="DIR", help="golden store of that model")
     bi.add_argument("--backend", default="reference", choices=("reference", "triton"))
     bi.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
-    bi.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    bi.add_argument("--device", default="cpu", help="one device, as --cdna2-device: cpu, N or cuda:N")
     bi.add_argument("--engine", default="bundled", help="bundled or module:factory")
     bi.add_argument("--prompt", action="append", metavar="NAME", help="only these golden prompts (repeatable)")
     bi.add_argument("--tolerance", metavar="FILE", help="tolerance profile TOML, as --cdna2-tolerance")

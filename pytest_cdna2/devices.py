@@ -61,28 +61,30 @@ def _available_text() -> str:
     return f"available: cpu; GPUs: {gpus}"
 
 
-def parse_device_spec(spec: str | None) -> list[str]:
-    """``cpu|N|N,M|all`` -> torch device strings; a missing GPU is a usage error listing what exists."""
+SPEC_FORMS = "cpu, N (or cuda:N), N,M or all"
+
+
+def parse_device_spec(spec: str | None, option: str = "--cdna2-device") -> list[str]:
+    """``cpu|N|N,M|all`` -> torch device strings (``N`` may be written ``cuda:N``, torch's form, which names the
+    same device on ROCm); a missing GPU is a usage error listing what exists. Errors name ``option``."""
     if spec is not None and not spec.strip():
-        raise pytest.UsageError(f"--cdna2-device='': empty: expected cpu, N, N,M or all ({_available_text()})")
+        raise pytest.UsageError(f"{option}='': empty: expected {SPEC_FORMS} ({_available_text()})")
     spec = (spec or default_device_spec()).strip().lower()
     if spec == "cpu":
         return ["cpu"]
     n = _gpu_count()
     if spec == "all":
         if n == 0:
-            raise pytest.UsageError(f"--cdna2-device=all: no GPU is visible to torch ({_available_text()})")
+            raise pytest.UsageError(f"{option}=all: no GPU is visible to torch ({_available_text()})")
         return [f"cuda:{i}" for i in range(n)]
-    if not re.fullmatch(r"\d+(,\d+)*", spec):
-        raise pytest.UsageError(
-            f"--cdna2-device={spec!r}: expected cpu, N, N,M or all ({_available_text()})"
-        )
-    indices = [int(s) for s in spec.split(",")]
+    if not re.fullmatch(r"(cuda:)?\d+(,(cuda:)?\d+)*", spec):
+        raise pytest.UsageError(f"{option}={spec!r}: expected {SPEC_FORMS} ({_available_text()})")
+    indices = [int(s.removeprefix("cuda:")) for s in spec.split(",")]
     if len(set(indices)) != len(indices):
-        raise pytest.UsageError(f"--cdna2-device={spec}: a device is listed twice")
+        raise pytest.UsageError(f"{option}={spec}: a device is listed twice")
     for i in indices:
         if i >= n:
-            raise pytest.UsageError(f"--cdna2-device={spec}: GPU {i} does not exist ({_available_text()})")
+            raise pytest.UsageError(f"{option}={spec}: GPU {i} does not exist ({_available_text()})")
     return [f"cuda:{i}" for i in indices]
 
 

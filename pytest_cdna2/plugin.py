@@ -56,48 +56,67 @@ MARKERS = {
 _GATE = pytest.StashKey[PerfGate]()
 _TALLY = pytest.StashKey[TierTally]()
 
-# (option, ini type, help)
+# (option, ini type, metavar, help); each metavar is what README's option table shows
 _OPTIONS = [
-    ("device", "string", "device(s): cpu, N, N,M or all (default: first GPU, else cpu); xdist pins worker "
-     "gwK to the K-th mod count"),
-    ("model", "string", "checkpoint folder, official DeepSeek-V4 layout (default: the bundled tiny-v4)"),
-    ("goldens", "string", "golden store folder (default: the bundled tiny-v4 goldens)"),
-    ("backend", "string", "engine backend: reference or triton (default: reference)"),
-    ("dtype", "string", "activation dtype: float32, bfloat16 or float64 (default: float32 on the CPU, bfloat16 "
-     "on a GPU); picks the matching derived tolerance profile"),
-    ("tolerance", "string", "tolerance profile TOML; its keys override the bundled profile for the dtype"),
-    ("engine", "string", "bundled, or module:factory for your own engine: factory(path, device=, backend=[, "
+    ("device", "string", "cpu|N|N,M|all", "device(s): cpu, N (or cuda:N), N,M or all (default: first GPU, else "
+     "cpu); xdist pins worker gwK to the K-th mod count"),
+    ("model", "string", "DIR", "checkpoint folder holding config.json, official DeepSeek-V4 layout (default: the "
+     "bundled tiny-v4)"),
+    ("goldens", "string", "DIR", "golden store folder (default: the bundled tiny-v4 goldens)"),
+    ("backend", "string", "reference|triton", "engine backend (default: reference)"),
+    ("dtype", "string", "float32|bfloat16|float64", "activation dtype (default: float32 on the CPU, bfloat16 on a "
+     "GPU); picks the matching derived tolerance profile"),
+    ("tolerance", "string", "FILE", "tolerance profile TOML; its keys override the bundled profile for the dtype"),
+    ("engine", "string", "bundled|module:factory", "bundled, or your own engine: factory(path, device=, backend=[, "
      "dtype=])"),
-    ("regen-goldens", "bool", "rebuild the goldens with the float64 reference; fails the run that does it"),
-    ("perf-on-cpu", "bool", "let perf tests run on the CPU (to exercise the gating; numbers mean nothing)"),
+    ("regen-goldens", "bool", None, "rebuild the golden store named by --cdna2-goldens (required with it) with the "
+     "float64 reference; fails the run that does it"),
+    ("perf-on-cpu", "bool", None, "let perf tests run on the CPU (to exercise the gating; numbers mean nothing)"),
 ]
+_KIND = {name: kind for name, kind, _, _ in _OPTIONS}
+# what an empty value should have been (the device's own parser says it for --cdna2-device)
+_EXPECTED = {"model": "a checkpoint folder (DIR)", "goldens": "a golden store folder (DIR)",
+             "backend": f"one of {', '.join(BACKENDS)}", "dtype": f"one of {', '.join(DTYPES)}",
+             "tolerance": "a tolerance profile (FILE)", "engine": "bundled or module:factory"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cdna2", "DeepSeek-V4 FP4/FP8 conformance (pytest-cdna2)")
-    for name, kind, help_ in _OPTIONS:
+    for name, kind, metavar, help_ in _OPTIONS:
         dest = "cdna2_" + name.replace("-", "_")
         if kind == "bool":
             group.addoption(f"--cdna2-{name}", action="store_true", default=None, dest=dest, help=help_)
         else:
-            group.addoption(f"--cdna2-{name}", action="store", default=None, dest=dest, metavar=name.upper(),
+            group.addoption(f"--cdna2-{name}", action="store", default=None, dest=dest, metavar=metavar,
                             help=help_)
         parser.addini(dest, help_, type=kind, default=False if kind == "bool" else None)
 
 
-def _opt(config: pytest.Config, name: str) -> tuple[object, str]:
-    """(value, source): the command line wins over the ini file; source is "cli", "ini" or "default"."""
+def _raw(config: pytest.Config, name: str) -> tuple[object, str]:
+    """(value, source): the command line wins over the ini file; source is "cli", "ini" or "default". An empty
+    string stays empty (it is an error, not the default)."""
     dest = "cdna2_" + name.replace("-", "_")
     value = config.getoption(dest)
     if value is not None:
         return value, "cli"
     try:
         ini = config.getini(dest)
-    except (ValueError, pytest.UsageError) as e:  # a bool key pytest cannot read ("maybe"): it does not name it
-        raise pytest.UsageError(f"ini key {dest}: {e}; expected true or false") from None
-    if ini not in (None, "", False):
-        return ini, "ini"
-    return None, "default"
+    except (ValueError, pytest.UsageError) as e:  # pytest's message does not say what the key takes
+        hint = "expected true or false" if _KIND[name] == "bool" else f'expected a string: {dest} = "VALUE"'
+        raise pytest.UsageError(f"ini key {dest}: {e}; {hint}") from None
+    if ini is None or ini is False:
+        return None, "default"
+    return ini, "ini"
+
+
+def _opt(config: pytest.Config, name: str) -> tuple[object, str]:
+    """:func:`_raw`, refusing an empty value (``--cdna2-backend=``, ``cdna2_model =``): it must not quietly mean
+    the default or the current folder."""
+    value, source = _raw(config, name)
+    if name in _EXPECTED and isinstance(value, str) and not value.strip():
+        raise pytest.UsageError(f"--cdna2-{name}='': empty: expected {_EXPECTED[name]}, or leave it out for the "
+                                "default")
+    return value, source
 
 
 def _path(config: pytest.Config, value: object, source: str) -> Path:
@@ -115,18 +134,19 @@ def resolve_settings(config: pytest.Config) -> Settings:
         return _resolve(config)
     except pytest.UsageError as e:
         m = re.match(r"--cdna2-([a-z-]+)", str(e))
-        if not m or _opt(config, m.group(1))[1] != "ini":
+        if not m or _raw(config, m.group(1))[1] != "ini":
             raise
-        rest = str(e)[m.end():]
-        key = "cdna2_" + m.group(1).replace("-", "_")
-        value, _, rest = rest[1:].partition(": ") if rest.startswith("=") else ("", "", rest.removeprefix(": "))
-        where = f"ini key {key}" + (f" = {value}" if value else "") + f" in {config.inipath}"
-        raise pytest.UsageError(f"{where}: {rest}") from None
+        rest = str(e)[m.end():]  # "=VALUE: why", ": why" or " needs ..."
+        where = "ini key cdna2_" + m.group(1).replace("-", "_")
+        if rest.startswith("="):
+            value, _, why = rest[1:].partition(": ")
+            where, rest = f"{where} = {value}", f": {why}"
+        raise pytest.UsageError(f"{where} in {config.inipath}{rest}") from None
 
 
 def _resolve(config: pytest.Config) -> Settings:
     dev_spec, _ = _opt(config, "device")
-    selected = devices.parse_device_spec(str(dev_spec) if dev_spec is not None else None)
+    selected = devices.parse_device_spec(None if dev_spec is None else str(dev_spec))
     device = devices.pick_for_worker(selected, devices.worker_index())
 
     model_v, model_src = _opt(config, "model")
@@ -136,9 +156,15 @@ def _resolve(config: pytest.Config) -> Settings:
     if model_v is not None and not model.is_dir():
         raise pytest.UsageError(f"--cdna2-model: {model} is not a folder: pass the checkpoint directory holding "
                                 "config.json")
+    if model_v is not None and not (model / "config.json").is_file():
+        raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "
+                                "folder holding config.json and the *.safetensors (official DeepSeek-V4 layout)")
     gold_v, gold_src = _opt(config, "goldens")
     goldens = DEFAULT_GOLDENS if gold_v is None else _path(config, gold_v, gold_src)
     regen = bool(_opt(config, "regen-goldens")[0])
+    if gold_v is not None and goldens.exists() and not goldens.is_dir():
+        raise pytest.UsageError(f"--cdna2-goldens: {goldens} is a file, not a folder: pass the golden store's folder "
+                                "(the one holding manifest.json)")
     if gold_v is not None and not goldens.exists() and not regen:
         raise pytest.UsageError(
             f"--cdna2-goldens: {goldens} does not exist (build it with `cdna2 goldens build` or "
@@ -263,6 +289,7 @@ class _Recorder:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A run that regenerated goldens fails, and so does one asked to that selected no test reading them."""
     asked = session.config.stash[SETTINGS].regen if SETTINGS in session.config.stash else False
+    asked = asked and not session.config.option.collectonly  # --co runs nothing, so it rewrites nothing either
     if (asked or REGENERATED in session.config.stash) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -270,7 +297,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     lines = config.stash[_TALLY].lines()
     regenerated = config.stash.get(REGENERATED, None)
-    unused = config.stash[SETTINGS].regen and not regenerated
+    unused = config.stash[SETTINGS].regen and not regenerated and not config.option.collectonly
     if not lines and not regenerated and not unused:
         return
     terminalreporter.section("cdna2 summary")

@@ -118,3 +118,22 @@ def test_convert_calls_the_engine(monkeypatch, tmp_path, capsys):
 def test_console_script_is_installed():
     r = subprocess.run(["cdna2", "goldens"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "usage: cdna2 goldens" in r.stderr
+
+
+def test_bisect_device_takes_the_forms_of_cdna2_device(monkeypatch, tmp_path, capsys):
+    """`--device 1` and `--device cuda:1` name the same GPU, as `--cdna2-device` reads them; a list or a typo is one
+    line."""
+    import pytest_cdna2.bisect as bisect
+    from pytest_cdna2 import devices
+
+    seen = []
+    monkeypatch.setattr(bisect, "bisect_run", lambda *a, device, **k: seen.append(device) or [])
+    monkeypatch.setattr(devices, "_gpu_count", lambda: 2)
+    argv = ["bisect", "--model", str(tmp_path), "--goldens", str(tmp_path), "--device"]
+    for spec in ("cpu", "1", "cuda:1"):
+        assert main(argv + [spec]) == 0
+    assert seen == ["cpu", "cuda:1", "cuda:1"]
+    assert main(argv + ["0,1"]) == 2
+    assert "--device=0,1: bisect runs on one device: cpu, N or cuda:N" in _err(capsys)
+    assert main(argv + ["gpu"]) == 2
+    assert "--device='gpu': expected cpu, N (or cuda:N), N,M or all" in _err(capsys)

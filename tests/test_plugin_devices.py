@@ -43,6 +43,8 @@ def test_specs(gpus):
     assert devices.parse_device_spec("2") == ["cuda:2"]
     assert devices.parse_device_spec("1,3") == ["cuda:1", "cuda:3"]
     assert devices.parse_device_spec(" ALL ") == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert devices.parse_device_spec("cuda:2") == ["cuda:2"]  # torch's form, as `cdna2 bisect --device` takes it
+    assert devices.parse_device_spec("cuda:1,3") == ["cuda:1", "cuda:3"]
 
 
 @pytest.mark.parametrize(
@@ -51,9 +53,11 @@ def test_specs(gpus):
         (2, "2", r"GPU 2 does not exist \(available: cpu; GPUs: 0, 1\)"),
         (0, "0", r"GPU 0 does not exist \(available: cpu; GPUs: none\)"),
         (0, "all", r"no GPU is visible to torch \(available: cpu; GPUs: none\)"),
-        (2, "gpu0", r"expected cpu, N, N,M or all \(available: cpu; GPUs: 0, 1\)"),
+        (2, "gpu0", r"expected cpu, N \(or cuda:N\), N,M or all \(available: cpu; GPUs: 0, 1\)"),
         (2, "1,1", r"listed twice"),
-        (2, "-1", r"expected cpu, N, N,M or all"),
+        (2, "-1", r"expected cpu, N \(or cuda:N\), N,M or all"),
+        (2, "cuda:2", r"GPU 2 does not exist"),
+        (2, "cuda", r"expected cpu, N \(or cuda:N\)"),
     ],
 )
 def test_bad_specs_are_usage_errors_listing_devices(gpus, n, spec, message):

@@ -168,6 +168,7 @@ def test_a_corrupt_checkpoint_for_the_bundled_engine_is_one_line(pytester):
 
 def test_a_model_that_fails_to_load_stops_the_run(pytester):
     (pytester.path / "m").mkdir()  # no fake.json: the factory raises FileNotFoundError
+    (pytester.path / "m" / "config.json").write_text("{}")
     pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")
     r = run(pytester, ENGINE, "--cdna2-model=m")
     r.assert_outcomes(errors=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_plugin_fake_engine import FAST
 from test_plugin_fake_engine import run_inprocess as run
 
 from pytest_cdna2 import plugin
@@ -59,6 +60,7 @@ def test_show(cdna2_settings, cdna2_tolerance):
 
 def test_ini_options_and_cli_wins(pytester):
     (pytester.path / "mymodel").mkdir()
+    (pytester.path / "mymodel" / "config.json").write_text("{}")
     (pytester.path / "mygoldens").mkdir()
     (pytester.path / "tol.toml").write_text("[token]\nkl_max = 0.25\n")
     pytester.makeini(
@@ -82,6 +84,7 @@ def test_ini_options_and_cli_wins(pytester):
 
 def test_ini_paths_are_relative_to_the_ini_file(pytester, monkeypatch):
     (pytester.path / "m").mkdir()
+    (pytester.path / "m" / "config.json").write_text("{}")
     pytester.makeini("[pytest]\ncdna2_model = m\n")
     pytester.makepyfile(SHOW)
     sub = pytester.mkdir("sub")
@@ -107,8 +110,21 @@ def test_defaults_point_at_the_bundled_model(pytester):
         (["--cdna2-engine=not a spec"], "", "*--cdna2-engine=not a spec: expected bundled or module:factory*"),
         (["--cdna2-model=nowhere"], "", "*--cdna2-model: */nowhere does not exist*"),
         (["--cdna2-goldens=nowhere"], "", "*--cdna2-goldens: */nowhere does not exist (build it with*"),
-        (["--cdna2-device=gpu"], "", "*--cdna2-device='gpu': expected cpu, N, N,M or all*"),
-        (["--cdna2-device="], "", "*--cdna2-device='': empty: expected cpu, N, N,M or all*"),
+        (["--cdna2-device=gpu"], "", "*--cdna2-device='gpu': expected cpu, N (or cuda:N), N,M or all*"),
+        (["--cdna2-device="], "", "*--cdna2-device='': empty: expected cpu, N (or cuda:N), N,M or all*"),
+        ([], "cdna2_device =", "*ini key cdna2_device = '' in *.ini: empty: expected cpu, N (or cuda:N), N,M or all*"),
+        (["--cdna2-backend="], "", "*--cdna2-backend='': empty: expected one of reference, triton, or leave it out*"),
+        ([], "cdna2_backend =", "*ini key cdna2_backend = '' in *.ini: empty: expected one of reference, triton*"),
+        (["--cdna2-dtype="], "", "*--cdna2-dtype='': empty: expected one of float32, bfloat16, float64*"),
+        (["--cdna2-engine="], "", "*--cdna2-engine='': empty: expected bundled or module:factory*"),
+        (["--cdna2-model="], "", "*--cdna2-model='': empty: expected a checkpoint folder (DIR)*"),
+        (["--cdna2-goldens="], "", "*--cdna2-goldens='': empty: expected a golden store folder (DIR)*"),
+        (["--cdna2-tolerance="], "", "*--cdna2-tolerance='': empty: expected a tolerance profile (FILE)*"),
+        (["--cdna2-model=."], "", "*--cdna2-model: * has no config.json, so it is not a checkpoint: pass the folder "
+         "holding config.json*"),
+        (["--cdna2-goldens=t.toml"], "", "*--cdna2-goldens: */t.toml is a file, not a folder: pass the golden*"),
+        ([], "cdna2_regen_goldens = true", "ini key cdna2_regen_goldens in *.ini needs --cdna2-goldens: name the "
+         "store to rewrite*"),
         (["--cdna2-tolerance=t.toml"], "", "*--cdna2-tolerance: */t.toml: [[]token] kl: unknown key*"),
         (["--cdna2-regen-goldens", "--cdna2-goldens=new", "-n", "2"], "",
          "*--cdna2-regen-goldens cannot run under xdist*"),
@@ -123,7 +139,8 @@ def test_bad_values_are_usage_errors(pytester, args, ini, message):
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_x(): pass")
-    r = run(pytester, *args)
+    # run() passes --cdna2-device=cpu, which would win over an ini device
+    r = pytester.runpytest_inprocess(*FAST, *args) if "cdna2_device" in ini else run(pytester, *args)
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines([f"ERROR: {message}"])
 
@@ -137,6 +154,35 @@ def test_regen_may_target_a_new_goldens_folder_but_a_run_that_rewrote_nothing_fa
     assert r.ret == pytest.ExitCode.TESTS_FAILED
     r.stdout.fnmatch_lines(["*--cdna2-regen-goldens rewrote nothing: no selected test reads the goldens*"])
     assert not (pytester.path / "new").exists()
+
+
+def test_regen_under_collect_only_does_not_complain(pytester):
+    """--co runs no test, so "rewrote nothing" is expected there, not a failure."""
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester, "--cdna2-regen-goldens", "--cdna2-goldens=new", "--co")
+    assert r.ret == pytest.ExitCode.OK
+    assert "rewrote nothing" not in r.stdout.str()
+
+
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="native TOML types in [tool.pytest] arrived in pytest 9")
+def test_a_toml_number_for_a_string_key_says_to_quote_it(pytester):
+    pytester.makepyprojecttoml("[tool.pytest]\ncdna2_device = 0\n")
+    pytester.makepyfile("def test_x(): pass")
+    r = pytester.runpytest_inprocess(*FAST)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: ini key cdna2_device: *expects a string, got int: 0; expected a string: "
+                            'cdna2_device = "VALUE"'])
+    assert "true or false" not in r.stderr.str()
+
+
+def test_help_shows_the_readme_forms(pytester):
+    """The metavars are README's (DIR, FILE, the choices), and --cdna2-regen-goldens says it needs --cdna2-goldens."""
+    out = " ".join(run(pytester, "--help").stdout.str().split())
+    for form in ("--cdna2-device=cpu|N|N,M|all", "--cdna2-model=DIR", "--cdna2-goldens=DIR", "--cdna2-tolerance=FILE",
+                 "--cdna2-backend=reference|triton", "--cdna2-dtype=float32|bfloat16|float64",
+                 "--cdna2-engine=bundled|module:factory"):
+        assert form in out
+    assert "--cdna2-regen-goldens rebuild the golden store named by --cdna2-goldens (required with it)" in out
 
 
 def test_regen_refuses_the_bundled_goldens(pytester):
