@@ -116,7 +116,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
 
     model = load()
     sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
-    store = GoldenStore.open(goldens_dir, expected_model_sha256=sha)
+    store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=getattr(model, "config", None))
     lines = []
     for name in [store.prompt(n).name for n in prompts] if prompts else [p.name for p in store.prompts]:
         verdict = judge_prompt(model, store, name, lim)

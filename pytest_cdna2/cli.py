@@ -79,14 +79,16 @@ def cmd_goldens_build(args: argparse.Namespace) -> int:
 
 
 def cmd_goldens_verify(args: argparse.Namespace) -> int:
-    """Verify every checksum of a store (and its model, with ``--model``)."""
-    sha = None
+    """Verify every checksum and the contents of a store (and its model, with ``--model``, whose config also
+    bounds the recorded selections)."""
+    sha = config = None
     if args.model:
         import cdna2_engine
 
-        sha = cdna2_engine.load_model(str(_existing_dir(args.model, "--model"))).checkpoint_sha256()
+        model = cdna2_engine.load_model(str(_existing_dir(args.model, "--model")))
+        sha, config = model.checkpoint_sha256(), getattr(model, "config", None)
     try:
-        store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha)
+        store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha, config=config)
     except goldens.GoldenError as e:
         if not Path(args.dir, goldens.MANIFEST).is_file():
             raise _Fail(str(e)) from None

@@ -239,7 +239,7 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
     model = request.getfixturevalue("cdna2_engine")
     sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
     try:
-        return GoldenStore.open(s.goldens, expected_model_sha256=sha)
+        return GoldenStore.open(s.goldens, expected_model_sha256=sha, config=getattr(model, "config", None))
     except GoldenError as e:
         _stop(request, f"cdna2: {e}")
 

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -62,6 +63,10 @@ MANIFEST = "manifest.json"
 # The store shipped with the package (the bundled tiny model's): never rewritten in place, by pytest or the CLI.
 BUNDLED_GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4" / "goldens"
 _BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
+# the files a store may list; teacher and greedy always, taps and selections when the build recorded any
+GOLDEN_FILES = ("teacher.safetensors", "greedy.safetensors", "taps.safetensors", "selections.safetensors")
+_TAP_KEY = re.compile(r"(\d+)\.(attn_in|attn_out|attn|ffn_in|ffn_out|ffn)")  # bisect.BLOCKS, without importing it
+_SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin)")
 
 
 class GoldenError(Exception):
@@ -183,9 +188,10 @@ class GoldenStore:
 
     # -- opening and verification -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path, expected_model_sha256: str | None = None) -> GoldenStore:
+    def open(cls, path: str | Path, expected_model_sha256: str | None = None, config: Any = None) -> GoldenStore:
         """Read the manifest (:func:`read_manifest`), check it is for ``expected_model_sha256`` (when given), verify
-        every file's hash, then the contents (:meth:`check_contents`)."""
+        every file's hash, then the contents (:meth:`check_contents`; ``config``, the model's, bounds the recorded
+        selections)."""
         path = Path(path)
         mpath = path / MANIFEST
         manifest = read_manifest(path)
@@ -202,12 +208,24 @@ class GoldenStore:
             )
         store = cls(path, manifest)
         store.verify()
-        store.check_contents()
+        store.check_contents(config)
         return store
 
     def verify(self) -> None:
-        """Hash every file the manifest lists and refuse a missing file or a checksum mismatch."""
-        for name, want in self.manifest["files"].items():
+        """Hash every file the manifest lists and refuse a missing file or a checksum mismatch; refuse a store that
+        lists other files than golden ones, or holds files its manifest does not list (one dropped from the
+        manifest would go unchecked)."""
+        mpath, files = self.path / MANIFEST, self.manifest["files"]
+        unknown = sorted(set(files) - set(GOLDEN_FILES))
+        missing = [f for f in GOLDEN_FILES[:2] if f not in files]
+        if unknown or missing:
+            what = f"lists {', '.join(unknown)}, not golden files" if unknown else f"does not list {missing[0]}"
+            raise GoldenError(f"{mpath} {what} (a store holds {', '.join(GOLDEN_FILES)}); {_BUILD_HINT}")
+        unlisted = sorted(f.name for f in self.path.iterdir() if f.name != MANIFEST and f.name not in files)
+        if unlisted:
+            raise GoldenError(f"{self.path} holds files its {MANIFEST} does not list ({', '.join(unlisted)}): move "
+                              f"them out, or {_BUILD_HINT}")
+        for name, want in files.items():
             f = self.path / name
             if Path(name).name != name or not f.is_file():
                 raise GoldenError(f"golden file {f} listed in {MANIFEST} is missing; {_BUILD_HINT}")
@@ -218,11 +236,13 @@ class GoldenStore:
                     f"or corrupted: restore it, or {_BUILD_HINT}"
                 )
 
-    def check_contents(self) -> None:
-        """Every prompt's teacher and greedy tensors are there, shaped, finite, in the vocabulary and consistent
-        with each other (the teacher input is the prompt then the greedy continuation, and the greedy logits are
-        the teacher logits at those positions): a store whose files match their hashes but not each other is one
-        GoldenError at open, not a traceback in every test or a failure blamed on the engine."""
+    def check_contents(self, config: Any = None) -> None:
+        """Every prompt's teacher and greedy tensors are there, shaped, of the manifest's dtype, finite, in the
+        vocabulary and consistent with each other (the teacher input is the prompt then the greedy continuation,
+        and the greedy logits are the teacher logits at those positions); no file holds a tensor the manifest's
+        prompts do not account for; taps and selections are checked too (:meth:`_check_taps`,
+        :meth:`_check_selections`). A store whose files match their hashes but not each other is one GoldenError at
+        open, not a traceback in every test or a failure blamed on the engine."""
         mpath = self.path / MANIFEST
         names = [p["name"] for p in self.manifest["prompts"]]
         if not names:
@@ -230,9 +250,11 @@ class GoldenStore:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise GoldenError(f"{mpath}: prompt names repeat ({', '.join(dup)}); {_BUILD_HINT}")
+        self._check_keys(names)
         steps = self.manifest.get("steps", 0)
         per_prompt = steps if isinstance(steps, list) else [steps] * len(names)
         vocab = self.manifest.get("vocab_size")
+        dtype = self.manifest["dtype"]
         for i, p in enumerate(self.manifest["prompts"]):
             name, prompt = p["name"], p["tokens"]
             ids, logits = self.input_ids(name), self.teacher_logits(name)
@@ -250,12 +272,96 @@ class GoldenStore:
             elif tuple(logits.shape) != (ids.numel(), v) or tuple(glog.shape) != (toks.numel(), v):
                 problem = (f"logits of shape {tuple(logits.shape)} and {tuple(glog.shape)}, expected "
                            f"{(ids.numel(), v)} and {(toks.numel(), v)}")
-            elif not (logits.is_floating_point() and torch.isfinite(logits).all() and torch.isfinite(glog).all()):
-                problem = "non-finite or non-float logits"
+            elif {str(t.dtype).removeprefix("torch.") for t in (logits, glog)} != {dtype}:
+                problem = f"logits of dtype {logits.dtype} and {glog.dtype}, the manifest says {dtype}"
+            elif not (torch.isfinite(logits).all() and torch.isfinite(glog).all()):
+                problem = "non-finite logits"
             else:
-                problem = greedy_mismatch(logits[len(prompt) - 1:], glog, str(self.manifest.get("dtype")))
+                problem = greedy_mismatch(logits[len(prompt) - 1:], glog, dtype)
             if problem:
                 raise GoldenError(f"{self.path}: prompt {name}: {problem}; {_BUILD_HINT}")
+        lengths = {n: self.input_ids(n).numel() for n in names}
+        self._check_taps(names, lengths)
+        self._check_selections(lengths, config)
+
+    def _check_keys(self, names: list[str]) -> None:
+        """Every tensor key of every file names a prompt of the manifest and a tensor the store holds: dropping a
+        prompt from the manifest must not leave its tensors behind unchecked."""
+        listed = set(names)
+        forms = {"teacher.safetensors": re.compile(r"input_ids|logits"),
+                 "greedy.safetensors": re.compile(r"tokens|logits"),
+                 "taps.safetensors": _TAP_KEY, "selections.safetensors": _SELECTION_KEY}
+        for file in self.manifest["files"]:
+            keys = [k.partition(".") for k in self.keys(file)]
+            orphans = sorted({n for n, _, _ in keys if n not in listed})
+            odd = sorted(f"{n}.{rest}" for n, _, rest in keys if n in listed and not forms[file].fullmatch(rest))
+            if orphans or odd:
+                what = (f"tensors of prompts {MANIFEST} does not list ({', '.join(orphans[:5])})" if orphans else
+                        f"unexpected tensors ({', '.join(odd[:5])})")
+                raise GoldenError(f"{self.path / file}: {what}; {_BUILD_HINT}")
+
+    def _check_taps(self, names: list[str], lengths: dict[str, int]) -> None:
+        """Taps (float, [Tf, ...], finite) for the first tap_prompts prompts (all when unset), the same taps each:
+        a NaN golden tap would make every engine tap look "within limits". Read once, not kept."""
+        if "taps.safetensors" not in self.manifest["files"]:
+            return
+        per: dict[str, set[str]] = {}
+        for key in self.keys("taps.safetensors"):
+            name, _, tap = key.partition(".")
+            per.setdefault(name, set()).add(tap)
+            t = self._read("taps.safetensors", key)
+            if not t.is_floating_point() or t.dim() < 1 or t.shape[0] != lengths[name]:
+                problem = f"{tuple(t.shape)} {t.dtype}, expected a float tensor of {lengths[name]} rows"
+            elif not torch.isfinite(t).all():
+                problem = "non-finite values"
+            else:
+                continue
+            raise GoldenError(f"{self.path / 'taps.safetensors'}: tap {key}: {problem}; {_BUILD_HINT}")
+        k = self.manifest.get("tap_prompts")
+        want = names[:k] if isinstance(k, int) else names
+        have = [n for n in names if n in per]
+        if have != want or len({frozenset(per[n]) for n in have}) > 1:
+            raise GoldenError(f"{self.path / 'taps.safetensors'}: taps for prompts {', '.join(have) or 'none'}, "
+                              f"expected the same taps for {', '.join(want)} (tap_prompts {k}); {_BUILD_HINT}")
+
+    def _check_selections(self, lengths: dict[str, int], config: Any) -> None:
+        """Every selection has indices (int64 [Tf, k]) and margins (float [Tf], >= 0, inf for no competitor), on a
+        layer of the model; with the model's ``config``, router picks are expert ids and indexer picks are
+        compressed entries closed at their position (or -1), so forcing them cannot fail inside the engine."""
+        if "selections.safetensors" not in self.manifest["files"]:
+            return
+        file = "selections.safetensors"
+        layers = getattr(config, "num_hidden_layers", None) or self.manifest.get("num_hidden_layers")
+        experts = getattr(config, "n_routed_experts", None)
+        ratios = getattr(config, "compress_ratios", None)
+        for key in sorted(self.keys(file)):
+            name, _, rest = key.partition(".")
+            layer_s, kind, part = _SELECTION_KEY.fullmatch(rest).groups()
+            if part == "margin":
+                continue
+            layer, base = int(layer_s), key.removesuffix(".indices")
+            if base + ".margin" not in self.keys(file):
+                raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
+            idx, margin = self._read(file, key), self._read(file, base + ".margin")
+            rows = lengths[name]
+            ratio = ratios[layer] if ratios is not None and layer < len(ratios) else None
+            if layers is not None and layer >= layers:
+                problem = f"layer {layer}, the model has {layers}"
+            elif idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != rows:
+                problem = f"indices {tuple(idx.shape)} {idx.dtype}, expected int64 [{rows}, k]"
+            elif not margin.is_floating_point() or tuple(margin.shape) != (rows,) or not (margin >= 0).all():
+                problem = f"margins {tuple(margin.shape)} {margin.dtype}, expected {rows} floats >= 0 (inf: none)"
+            elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and idx.max() >= experts)):
+                problem = f"expert ids {idx.min()}..{idx.max()}, the model has {experts or 'ids from 0'}"
+            elif kind == "indexer" and ratio == 0:
+                problem = "an indexer selection on a layer without compressed attention"
+            elif kind == "indexer" and idx.numel() and idx.min() < -1:
+                problem = f"entry {idx.min()} (picks are entries, or -1 for none)"
+            elif kind == "indexer" and ratio and not ((idx == -1) | (idx < _closed(rows, ratio))).all():
+                problem = f"entries not yet closed at their position (ratio {ratio})"
+            else:
+                continue
+            raise GoldenError(f"{self.path / file}: prompt {name}: {layer_s}.{kind}: {problem}; {_BUILD_HINT}")
 
     # -- manifest views -------------------------------------------------------------------------------------
     @property
@@ -318,6 +424,14 @@ class GoldenStore:
                     self._cache[(file, key)] = f.get_tensor(key)
         return self._cache[(file, key)]
 
+    def _read(self, file: str, key: str) -> torch.Tensor:
+        """One tensor, read without caching it (the checks at open read taps and selections once)."""
+        from safetensors import safe_open
+
+        with _readable(self._file(file)):
+            with safe_open(self._file(file), framework="pt") as f:
+                return f.get_tensor(key)
+
     def input_ids(self, prompt: str) -> torch.Tensor:
         """Teacher-forced sequence [Tf]: the prompt then the greedy continuation without its last token."""
         return self.tensor("teacher.safetensors", f"{prompt}.input_ids")
@@ -339,12 +453,17 @@ class GoldenStore:
         recorded without taps: see the manifest's tap_prompts)."""
         from pytest_cdna2.bisect import tap_order
 
+        if "taps.safetensors" not in self.manifest["files"]:  # built without taps (--tap-prompts 0)
+            return {}
         pre = f"{prompt}."
         names = tap_order(k[len(pre):] for k in self.keys("taps.safetensors") if k.startswith(pre))
         return {n: self.tensor("taps.safetensors", pre + n) for n in names}
 
     def selections(self, prompt: str) -> dict[tuple[int, str], GoldenSelection]:
-        """Recorded sparse selections {(layer, "router"|"indexer"): GoldenSelection}."""
+        """Recorded sparse selections {(layer, "router"|"indexer"): GoldenSelection} ({} for a store built by an
+        engine that records none)."""
+        if "selections.safetensors" not in self.manifest["files"]:
+            return {}
         pre, out = f"{prompt}.", {}
         for k in self.keys("selections.safetensors"):
             if k.startswith(pre) and k.endswith(".indices"):
@@ -417,9 +536,16 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def _closed(rows: int, ratio: int) -> torch.Tensor:
+    """[rows, 1]: how many compressed entries are closed at each position of a prefill (entry j covers positions
+    j*ratio .. (j+1)*ratio - 1, visible from the last of them on: the engine's rule)."""
+    return ((torch.arange(rows) + 1) // ratio)[:, None]
+
+
 def _check_layout(manifest: dict, mpath: Path) -> None:
     """The manifest's shape, checked once at open so a hand-edited or foreign one is one GoldenError, not a
-    KeyError deep in a test: files {name: sha256} (at least one), prompts [{name, tokens: [int, ...]}], steps."""
+    KeyError deep in a test: files {name: sha256} (at least one), prompts [{name, tokens: [int, ...]}], steps, and
+    the dtype of the logits."""
     files, prompts, steps = manifest["files"], manifest["prompts"], manifest.get("steps", 0)
     if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
         raise GoldenError(f"{mpath}: 'files' must map each file name to its sha256; {_BUILD_HINT}")
@@ -430,6 +556,10 @@ def _check_layout(manifest: dict, mpath: Path) -> None:
         raise GoldenError(f"{mpath}: 'prompts' must be a list of {{name, tokens: [token ids]}}; {_BUILD_HINT}")
     if not all(isinstance(n, int) and n >= 0 for n in (steps if isinstance(steps, list) else [steps])):
         raise GoldenError(f"{mpath}: 'steps' must be a count or a list of counts; {_BUILD_HINT}")
+    dtype = getattr(torch, str(manifest.get("dtype")), None)
+    if not isinstance(manifest.get("dtype"), str) or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise GoldenError(f"{mpath}: 'dtype' must name the logits' floating dtype (float64, float32, bfloat16), got "
+                          f"{manifest.get('dtype')!r}; {_BUILD_HINT}")
 
 
 @contextlib.contextmanager
@@ -674,5 +804,5 @@ def build_goldens(
             versions=_versions(model),
             prompts=entries,
         )
-    return GoldenStore.open(out_dir, expected_model_sha256=sha)
+    return GoldenStore.open(out_dir, expected_model_sha256=sha, config=cfg)
 

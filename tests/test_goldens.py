@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,13 +22,15 @@ from pytest_cdna2.goldens import (
 SHA_A, SHA_B = "a" * 64, "b" * 64
 
 
-def _write(out, regen=False, value=1.0, model_sha=SHA_A, **edit):
+def _write(out, regen=False, value=1.0, model_sha=SHA_A, logits_dtype=torch.float64, extra=None, **edit):
     """A complete one-prompt store: prompt [0, 1, 2], one greedy step (token 3), vocabulary 4; the greedy logits
     are the teacher's at the last prompt position. `edit` replaces tensors ("teacher.KEY" / "greedy.KEY") or
-    manifest fields."""
-    logits = torch.full((3, 4), value)
+    manifest fields; `extra` adds files or tensors by their full keys ({"taps": {"p00.0.attn": t}})."""
+    logits = torch.full((3, 4), value, dtype=logits_dtype)
     files = {"teacher": {"p00.logits": logits, "p00.input_ids": torch.arange(3)},
              "greedy": {"p00.tokens": torch.tensor([3]), "p00.logits": logits[2:].clone()}}
+    for file, tensors in (extra or {}).items():
+        files.setdefault(file, {}).update(tensors)
     manifest = {"model_sha256": model_sha, "prompts": [{"name": "p00", "tokens": [0, 1, 2]}], "steps": 1,
                 "dtype": "float64", "vocab_size": 4}
     for key, v in edit.items():
@@ -55,7 +58,7 @@ def test_write_then_open_lazily(tmp_path):
     assert set(store._cache) == {("teacher.safetensors", "p00.logits"), ("teacher.safetensors", "p00.input_ids"),
                                  ("greedy.safetensors", "p00.logits"), ("greedy.safetensors", "p00.tokens")}
     assert not any(f == "taps.safetensors" for f, _ in store._cache)  # the rest loads lazily
-    assert torch.equal(store.teacher_logits("p00"), torch.ones(3, 4))
+    assert torch.equal(store.teacher_logits("p00"), torch.ones(3, 4, dtype=torch.float64))
     assert store.prompt("p00").input_ids().tolist() == [[0, 1, 2]]
     assert _siblings(out) == ["g"]  # no temporary folder left behind
     assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o644}  # readable by the users who share it
@@ -95,7 +98,8 @@ def test_missing_things_name_the_thing_and_the_fix(tmp_path):
     with pytest.raises(GoldenError, match=r"no tensor 'p09.logits'"):
         store.teacher_logits("p09")
     with pytest.raises(GoldenError, match=r"no file 'taps.safetensors' in manifest.json"):
-        store.taps("p00")
+        store.keys("taps.safetensors")
+    assert store.taps("p00") == {} and store.selections("p00") == {}  # a store built without them
     with pytest.raises(GoldenError, match=r"no prompt 'p01' \(have: p00\)"):
         store.prompt("p01")
     (out / "teacher.safetensors").unlink()
@@ -123,6 +127,8 @@ def test_bad_manifest(tmp_path):
     ({"prompts": [{"name": "p00", "tokens": []}]}, "'prompts' must be a list"),
     ({"prompts": "p00"}, "'prompts' must be a list"),
     ({"steps": "x"}, "'steps' must be a count or a list of counts"),
+    ({"dtype": "int64"}, "'dtype' must name the logits' floating dtype"),
+    ({"dtype": None}, "'dtype' must name the logits' floating dtype"),
 ])
 def test_a_manifest_of_the_wrong_shape_is_one_error(tmp_path, edit, message):
     """A hand-edited or foreign manifest is refused at open, naming the field (not a KeyError in a test)."""
@@ -151,7 +157,7 @@ def test_never_overwrites_without_regen(tmp_path):
         _write(out, value=2.0)
     assert (out / "teacher.safetensors").read_bytes() == before
     _write(out, regen=True, value=2.0)
-    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.full((3, 4), 2.0))
+    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.full((3, 4), 2.0, dtype=torch.float64))
     assert _siblings(out) == ["g"]
 
 
@@ -222,8 +228,11 @@ def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
     ({"steps": 2}, "1 greedy tokens, the manifest says 2 steps"),
     ({"teacher.input_ids": torch.tensor([0, 1, 1])}, "the teacher input is not the prompt followed by the greedy"),
     ({"teacher.logits": torch.ones(2, 4)}, r"logits of shape \(2, 4\) and \(1, 4\), expected \(3, 4\)"),
-    ({"greedy.logits": torch.tensor([[1.0, float("nan"), 1.0, 1.0]])}, "non-finite or non-float logits"),
-    ({"greedy.logits": torch.tensor([[1.0, 1.0, 1.5, 1.0]])},
+    ({"greedy.logits": torch.tensor([[1.0, float("nan"), 1.0, 1.0]], dtype=torch.float64)}, "non-finite logits"),
+    ({"logits_dtype": torch.float16}, r"logits of dtype torch.float16 and torch.float16, the manifest says float64"),
+    ({"logits_dtype": torch.float32}, r"logits of dtype torch.float32 and torch.float32, the manifest says float64"),
+    ({"dtype": "bfloat16"}, r"logits of dtype torch.float64 and torch.float64, the manifest says bfloat16"),
+    ({"greedy.logits": torch.tensor([[1.0, 1.0, 1.5, 1.0]], dtype=torch.float64)},
      r"greedy logits differ from the teacher-forced logits by 0.5 at step 0 \(limit 1e-09\): the engine's "
      "incremental decode disagrees with its own prefill"),
 ])
@@ -240,13 +249,84 @@ def test_contents_that_contradict_each_other_are_refused_at_open(tmp_path, edit,
         e.match("prompt p00: ")
 
 
+NAN = float("nan")
+SEL = {"p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 2]]), "p00.1.router.margin": torch.ones(3),
+       "p00.1.indexer.indices": torch.tensor([[-1], [-1], [-1]]), "p00.1.indexer.margin": torch.full((3,), torch.inf)}
+CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratios=[0, 1])
+
+
+@pytest.mark.parametrize("extra, config, message", [
+    ({"teacher": {"p01.logits": torch.ones(2, 4)}}, None,
+     r"teacher.safetensors: tensors of prompts manifest.json does not list \(p01\)"),
+    ({"greedy": {"p00.bogus": torch.ones(1)}}, None, r"greedy.safetensors: unexpected tensors \(p00.bogus\)"),
+    ({"notes": {"p00.logits": torch.ones(1)}}, None, r"manifest.json lists notes.safetensors, not golden files"),
+    ({"taps": {"p00.0.attn": torch.tensor([[1.0, NAN]] * 3)}}, None, r"tap p00.0.attn: non-finite values"),
+    ({"taps": {"p00.0.attn": torch.ones(2, 2)}}, None, r"tap p00.0.attn: \(2, 2\) torch.float32, expected a float "
+     "tensor of 3 rows"),
+    ({"taps": {"p00.0.attn": torch.ones(3, 2), "p00.1.ffn": torch.ones(3, 2)}}, None, None),
+    ({"selections": SEL}, CONFIG, None),
+    ({"selections": {**SEL, "p00.1.router.margin": torch.tensor([1.0, NAN, 1.0])}}, None,
+     r"prompt p00: 1.router: margins \(3,\) torch.float32, expected 3 floats >= 0"),
+    ({"selections": {k: v for k, v in SEL.items() if k != "p00.1.router.margin"}}, None,
+     r"p00.1.router.indices has no p00.1.router.margin"),
+    ({"selections": {**SEL, "p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 9]])}}, None, None),
+    ({"selections": {**SEL, "p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 9]])}}, CONFIG,
+     r"prompt p00: 1.router: expert ids 0..9, the model has 4"),
+    ({"selections": {**SEL, "p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)}},
+     None, r"1.router: indices \(3, 2\) torch.int32, expected int64 \[3, k\]"),
+    ({"selections": {**SEL, "p00.1.indexer.indices": torch.tensor([[0], [1], [3]])}}, CONFIG,
+     r"1.indexer: entries not yet closed at their position \(ratio 1\)"),
+    ({"selections": {**SEL, "p00.1.indexer.indices": torch.tensor([[0], [1], [2]])}}, CONFIG, None),
+    ({"selections": {"p00.0.indexer.indices": torch.tensor([[-1]] * 3), "p00.0.indexer.margin": torch.ones(3)}},
+     CONFIG, r"0.indexer: an indexer selection on a layer without compressed attention"),
+    ({"selections": {"p00.5.router.indices": torch.tensor([[0]] * 3), "p00.5.router.margin": torch.ones(3)}},
+     None, r"5.router: layer 5, the model has 2"),
+])
+def test_taps_selections_and_stray_tensors_are_checked_at_open(tmp_path, extra, config, message):
+    """A NaN golden tap, a selection the engine cannot take (an expert id past the model's, an entry not yet
+    closed, int32 ids, a margin missing or NaN) and tensors of prompts dropped from the manifest are refused at
+    open, not met as "every tap within limits", a RuntimeError deep in the engine, or never."""
+    out = _write(tmp_path / "g", extra=extra, num_hidden_layers=2)
+    if message is None:
+        GoldenStore.open(out, config=config)
+        return
+    with pytest.raises(GoldenError, match=message) as e:
+        GoldenStore.open(out, config=config)
+    assert "\n" not in str(e.value)
+
+
+def test_taps_follow_tap_prompts(tmp_path):
+    two = {"prompts": [{"name": "p00", "tokens": [0, 1, 2]}, {"name": "p01", "tokens": [0, 1, 2]}]}
+    copy = {"p01.logits": torch.ones(3, 4, dtype=torch.float64), "p01.input_ids": torch.arange(3)}
+    greedy = {"p01.tokens": torch.tensor([3]), "p01.logits": torch.ones(1, 4, dtype=torch.float64)}
+    extra = {"teacher": copy, "greedy": greedy, "taps": {"p01.0.attn": torch.ones(3, 2)}}
+    out = _write(tmp_path / "g", extra=extra, tap_prompts=1, **two)
+    with pytest.raises(GoldenError, match=r"taps for prompts p01, expected the same taps for p00 \(tap_prompts 1\)"):
+        GoldenStore.open(out)
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
+    """Dropping selections.safetensors from the manifest (or leaving anything else in the store) is one error at
+    open: the file would otherwise go unchecked and unused."""
+    out = _write(tmp_path / "g", extra={"selections": SEL})
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["files"]["selections.safetensors"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(GoldenError, match=r"holds files its manifest.json does not list \(selections.safetensors\)"):
+        GoldenStore.open(out)
+    manifest["files"].pop("teacher.safetensors")
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(GoldenError, match=r"manifest.json does not list teacher.safetensors"):
+        GoldenStore.open(out)
+
+
 def test_greedy_against_teacher_tolerance_follows_the_dtype(tmp_path):
     """float64 goldens agree to ~3e-14 (the bundled store): 1e-9 of the logits' scale; a float32-built store gets
     the float32 profile's prefill-vs-decode limit (1e-4)."""
-    off = {"greedy.logits": torch.tensor([[1.0, 1.0, 1.0 + 2**-15, 1.0]])}  # 3.05e-5, exact in float32
-    GoldenStore.open(_write(tmp_path / "a", dtype="float32", **off))
+    off = torch.tensor([[1.0, 1.0, 1.0 + 2**-15, 1.0]])  # 3.05e-5, exact in float32
+    GoldenStore.open(_write(tmp_path / "a", dtype="float32", logits_dtype=torch.float32, **{"greedy.logits": off}))
     with pytest.raises(GoldenError, match="by 3.05e-05 at step 0"):
-        GoldenStore.open(_write(tmp_path / "b", **off))
+        GoldenStore.open(_write(tmp_path / "b", **{"greedy.logits": off.double()}))
 
 
 def test_the_bundled_goldens_are_consistent():
@@ -269,4 +349,5 @@ def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):
                                           "replaces the whole folder, so move them out first"):
         _write(out, regen=True, value=2.0)
     assert (out / "NOTES.txt").read_text() == "mine"
-    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.ones(3, 4))
+    (out / "NOTES.txt").unlink()  # a store holds nothing its manifest does not list
+    assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.ones(3, 4, dtype=torch.float64))
