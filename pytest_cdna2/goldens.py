@@ -608,24 +608,25 @@ class GoldenWriter:
                 f"{self.out} is the golden store bundled with pytest-cdna2; refusing to rewrite it: build into "
                 f"another folder and pass it with --cdna2-goldens"
             )
-        if regen and self.out.is_dir() and any(self.out.iterdir()):
-            extra = sorted(f.name for f in self.out.iterdir() if f.name not in self._listed())
-            if extra:
-                raise GoldenError(
-                    f"{self.out} holds files its {MANIFEST} does not list ({', '.join(extra)}); regen replaces "
-                    f"the whole folder, so move them out first"
-                )
+        if regen and self.out.is_dir():
+            self._refuse_unlisted(self.out)
         self.manifest: dict[str, Any] = {"format": FORMAT}
         self._files: dict[str, str] = {}
         self._tmp: Path | None = None
 
-    def _listed(self) -> set[str]:
-        """The files of the store at out (its manifest and the files the manifest lists)."""
+    def _refuse_unlisted(self, folder: Path) -> None:
+        """A rebuild deletes the old store's folder: refuse one holding anything besides its manifest and the
+        files that lists (checked before the slow part and again, on the moved-away folder, right before
+        deleting it, for a file dropped in meanwhile)."""
         try:
-            files = json.loads((self.out / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+            files = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("files", {})
         except (OSError, ValueError, AttributeError):
             files = {}
-        return {MANIFEST, *(files if isinstance(files, dict) else {})}
+        listed = {MANIFEST, *(files if isinstance(files, dict) else {})}
+        extra = sorted(f.name for f in folder.iterdir() if f.name not in listed)
+        if extra:
+            raise GoldenError(f"{self.out} holds files its {MANIFEST} does not list ({', '.join(extra)}); regen "
+                              f"replaces the whole folder, so move them out first")
 
     def __enter__(self) -> GoldenWriter:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -676,6 +677,7 @@ class GoldenWriter:
         old.rmdir()
         os.replace(self.out, old)
         try:
+            self._refuse_unlisted(old)  # moved away, nothing more can land in it through out's path
             os.replace(tmp, self.out)
         except BaseException:
             os.replace(old, self.out)

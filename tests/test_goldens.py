@@ -351,3 +351,17 @@ def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):
     assert (out / "NOTES.txt").read_text() == "mine"
     (out / "NOTES.txt").unlink()  # a store holds nothing its manifest does not list
     assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.ones(3, 4, dtype=torch.float64))
+
+
+def test_a_file_dropped_into_the_store_during_a_rebuild_is_not_deleted(tmp_path):
+    """The unlisted-files check ran when the rebuild started; a file written into the store while it computed
+    must not go with the old store: the rebuild fails and keeps the old store, the file and nothing else."""
+    out = _write(tmp_path / "g")
+    before = (out / "teacher.safetensors").read_bytes()
+    with pytest.raises(GoldenError, match=r"holds files its manifest.json does not list \(late.txt\); regen"):
+        with GoldenWriter(out, regen=True) as w:
+            w.write("teacher.safetensors", {"p00.logits": torch.zeros(1)})
+            (out / "late.txt").write_text("mine")
+    assert (out / "late.txt").read_text() == "mine"
+    assert (out / "teacher.safetensors").read_bytes() == before
+    assert _siblings(out) == ["g"]
