@@ -1,12 +1,15 @@
 """Session bookkeeping behind the hooks: recorded metrics, the perf gate, and the per-tier summary.
 
-Metrics travel as ``item.user_properties`` entries ``("cdna2_metric", {...})``: pytest copies them into
+Metrics travel as ``item.user_properties`` entries ``("cdna2_metric", JSON)``: pytest copies them into
 every report, xdist ships them from the workers to the controller, and JUnit XML writes them out as
-``<property>`` elements, so the summary works the same in every mode.
+``<property>`` elements, so the summary works the same in every mode. The value is strict JSON
+(``{"metric", "value", "limit", "op", "what", "ok"}``, non-finite numbers as the strings "inf", "-inf", "nan"),
+so a JUnit consumer parses it with any JSON reader.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,14 +45,15 @@ def record_metric(
     """Append one metric to ``item.user_properties``; returns whether it is within its limit."""
     value, limit = float(value), float(limit)
     ok = value >= limit if higher_is_better else value <= limit
-    item.user_properties.append(
-        (
-            METRIC_PROPERTY,
-            {"metric": metric, "value": value, "limit": limit,
-             "op": ">=" if higher_is_better else "<=", "what": what, "ok": bool(ok)},
-        )
-    )
+    fields = {"metric": metric, "value": _number(value), "limit": _number(limit),
+              "op": ">=" if higher_is_better else "<=", "what": what, "ok": bool(ok)}
+    item.user_properties.append((METRIC_PROPERTY, json.dumps(fields, allow_nan=False)))
     return bool(ok)
+
+
+def _number(v: float) -> float | str:
+    """v, or "inf"/"-inf"/"nan" (JSON has no such numbers; float() reads the strings back)."""
+    return v if math.isfinite(v) else str(v)
 
 
 def _short(v: float) -> str:
@@ -96,10 +100,9 @@ def metrics_of(nodeid: str, user_properties: Iterable[Any]) -> list[Metric]:
     """The cdna2 metrics among a report's user properties."""
     out = []
     for prop in user_properties:
-        if len(prop) == 2 and prop[0] == METRIC_PROPERTY and isinstance(prop[1], dict):
-            d = prop[1]
-            op, what = d.get("op", "<="), d.get("what", "")
-            out.append(Metric(nodeid, d["metric"], d["value"], d["limit"], op, what))
+        if len(prop) == 2 and prop[0] == METRIC_PROPERTY and isinstance(prop[1], str):
+            d = json.loads(prop[1])
+            out.append(Metric(nodeid, d["metric"], float(d["value"]), float(d["limit"]), d["op"], d["what"]))
     return out
 
 

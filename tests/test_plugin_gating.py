@@ -215,11 +215,25 @@ def test_no_summary_without_tiered_tests(pytester):
     assert "cdna2 summary" not in run(pytester).stdout.str()
 
 
-def test_metrics_land_in_junit_xml(pytester):
+def test_metrics_land_in_junit_xml_as_json(pytester):
+    """Each metric is a cdna2_metric property whose value strict JSON parses (an infinite limit, as the token tier
+    records for near-tie flips, as the string "inf"), and the summary reads the same values back."""
+    import json
+    import xml.etree.ElementTree as ET
+
     pytester.makepyfile(TESTS.format(ok2=True))
-    run(pytester, "--junitxml=out.xml").assert_outcomes(passed=7, skipped=1)
-    xml = (pytester.path / "out.xml").read_text()
-    assert '<property name="cdna2_metric" value="{' in xml and "'metric': 'kl_max', 'value': 0.0001" in xml
+    pytester.makepyfile(test_inf="def test_flips(cdna2_record):\n    cdna2_record('flips', 3, float('inf'))\n")
+    r = run(pytester, "--junitxml=out.xml")
+    r.assert_outcomes(passed=8, skipped=1)
+
+    def strict(text):
+        raise ValueError(f"not JSON: {text}")
+
+    props = [json.loads(p.get("value"), parse_constant=strict)
+             for p in ET.parse(pytester.path / "out.xml").iter("property") if p.get("name") == "cdna2_metric"]
+    assert {"metric": "kl_max", "value": 0.0001, "limit": 0.001, "op": "<=", "what": "prompt p00", "ok": True} in props
+    assert {"metric": "flips", "value": 3.0, "limit": "inf", "op": "<=", "what": "", "ok": True} in props
+    assert float("inf") == float(next(p["limit"] for p in props if p["metric"] == "flips"))
 
 
 @pytest.mark.skipif("xdist" not in sys.modules and not __import__("importlib").util.find_spec("xdist"),
