@@ -1,5 +1,6 @@
 """pyproject.toml lists its packages by name (the engine's folder is mapped to `cdna2_engine`), so a new
-subpackage left out of that list would work in this editable checkout and be missing from a built wheel."""
+subpackage left out of that list would work in this editable checkout and be missing from a built wheel; and its
+pytest settings keep pytest's own features working."""
 
 from __future__ import annotations
 
@@ -34,3 +35,16 @@ def test_every_package_folder_is_listed_in_pyproject():
         on_disk |= _packages_on_disk(folder, name)
     assert "cdna2_engine.ops.triton.kernels" in on_disk  # the walk sees subpackages
     assert on_disk - listed == set(), f"add to [tool.setuptools] packages in pyproject.toml: {sorted(on_disk - listed)}"
+
+
+def test_the_project_config_keeps_last_failed_working(pytester):
+    """pyproject.toml once disabled the cache plugin (addopts -p no:cacheprovider), so --lf, --ff and --sw did
+    nothing, silently, and -p cacheprovider crashed. Under the project's own config, --lf reruns the last
+    failure."""
+    pytester.makepyfile("def test_ok(): pass\ndef test_bad(): assert False\n")
+    args = ["-c", os.path.join(ROOT, "pyproject.toml"), "--rootdir", str(pytester.path), "-o",
+            f"cache_dir={pytester.path / 'cache'}", "--cdna2-device=cpu", "-p", "no:xdist", str(pytester.path)]
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=1, failed=1)
+    r = pytester.runpytest_subprocess(*args, "--lf")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["run-last-failure: rerun previous 1 failure"])
