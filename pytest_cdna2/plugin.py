@@ -199,7 +199,7 @@ def _resolve(config: pytest.Config) -> Settings:
     except ToleranceError as e:
         raise pytest.UsageError(f"--cdna2-tolerance: {e}") from None
     return Settings(tuple(selected), device, model, model_v is None, goldens, backend, engine, profile, regen,
-                    bool(_opt(config, "perf-on-cpu")[0]), dtype)
+                    bool(_opt(config, "perf-on-cpu")[0]), dtype, gold_v is None)
 
 
 # the correctness tiers perf needs: the kernel and isa tiers check the bundled engine's ops and Triton kernels, so

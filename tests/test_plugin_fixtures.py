@@ -110,6 +110,7 @@ def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, rea
     manifest = json.loads((real_store / "manifest.json").read_text())
     assert manifest["model_sha256"] == checkpoint_sha256(pytester.path / "b")
     assert manifest["dtype"] == "float64" and manifest["backend"] == "reference"
+    assert manifest["tolerance_profile"] == "default"  # as `cdna2 goldens build` (and build_goldens) record it
     assert [bytes(p["tokens"]) for p in manifest["prompts"]] == [b"hello", b"def f("]  # prompts kept
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".goldens")) == []
     run(pytester, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
@@ -134,9 +135,21 @@ def test_missing_bundled_model_names_the_path(pytester, monkeypatch):
     r = run(pytester)
     r.assert_outcomes(errors=1)
     r.stdout.fnmatch_lines([
-        f"*cdna2: model not found at {pytester.path / 'no' / 'model'}: the bundled model is not built yet; "
-        "pass --cdna2-model=DIR*"
+        f"*cdna2: model not found at {pytester.path / 'no' / 'model'}: the bundled model ships only with a source "
+        "checkout (git clone, then `pip install -e .`), not in the wheel; pass --cdna2-model=DIR*"
     ])
+
+
+def test_missing_bundled_goldens_say_they_come_with_a_source_checkout(pytester, monkeypatch):
+    """A wheel install has no goldens/ folder: the message says where the bundled store comes from."""
+    monkeypatch.setattr(plugin, "DEFAULT_GOLDENS", pytester.path / "no" / "goldens")
+    write_fake_model(pytester.path / "m")
+    pytester.makepyfile("def test_x(cdna2_golden): pass")
+    r = run(pytester, ENGINE, "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines([f"*cdna2: golden store not found at {pytester.path / 'no' / 'goldens'}: the bundled "
+                            "goldens ship only with a source checkout (git clone, then `pip install -e .`), not in "
+                            "the wheel; pass --cdna2-goldens=DIR*"])
 
 
 def test_unimportable_engine_factory(pytester):
