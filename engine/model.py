@@ -572,6 +572,11 @@ class Model:
 
     def _check_ids(self, input_ids: torch.Tensor, new_tokens: int = 0) -> None:
         """Once per public call, not per decode step (the range check syncs with a GPU)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool:
+            got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor [batch, tokens], got {got}: pass "
+                             "torch.tensor(ids, dtype=torch.long)")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if not input_ids.numel():

@@ -75,7 +75,10 @@ def test_bad_input_ids_and_taps_are_one_line_errors(tmp_path):
     cfg = make_config("csa-only")
     model = cdna2_engine.load_model(make_checkpoint(tmp_path, cfg, seed=2), dtype=torch.float64)
     for bad, match in [(torch.tensor([[1, cfg.vocab_size]]), "out of range 0..96"),
-                       (torch.tensor([[-1, 2]]), "out of range"), (torch.tensor([1, 2]), r"must be \[batch, tokens\]")]:
+                       (torch.tensor([[-1, 2]]), "out of range"), (torch.tensor([1, 2]), r"must be \[batch, tokens\]"),
+                       ([[1, 2]], "must be an integer tensor .* got list"),
+                       (torch.tensor([[1.0, 2.0]]), "must be an integer tensor .* got torch.float32"),
+                       (torch.tensor([[True]]), "must be an integer tensor .* got torch.bool")]:
         for call in (model.forward, model.trace, lambda ids: model.generate(ids, 2)):
             with pytest.raises(ValueError, match=match):
                 call(bad)
