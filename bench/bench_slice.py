@@ -55,7 +55,7 @@ def random_packed(cfg: Config, device: torch.device, seed: int = 0) -> tuple[dic
             s = torch.full(ss, 127 - 4, dtype=torch.uint8, device=device)
             q = QWeight(codes(ws).view(torch.int8), s.view(torch.float8_e8m0fnu), "mxfp4")
         elif sp.kind == "int32":
-            # tid2eid: each token's k distinct experts, as a trained table (the loader refuses repeats)
+            # tid2eid: each token's k distinct experts, which the byte floor counts
             keys = torch.rand(sp.shape[0], cfg.n_routed_experts, generator=g, device=device)
             q = keys.argsort(-1)[:, :sp.shape[1]].to(torch.int32)
         else:

@@ -109,9 +109,11 @@ class Config:
                               f"V4 layout is fp8 (with MXFP4 experts)")
         for key in ("fmt", "scale_fmt", "weight_block_size", "expert_dtype"):  # absent: the official value
             got, want = q.get(key, QUANTIZATION_CONFIG[key]), QUANTIZATION_CONFIG[key]
-            if (list(got) if isinstance(got, tuple) else got) != want:
+            ok = [want, "fp8"] if key == "expert_dtype" else [want]  # FP8 experts load too (their dtype decides)
+            if (list(got) if isinstance(got, tuple) else got) not in ok:
                 raise ConfigError(f"config: quantization_config {key} {got!r} is not supported: this engine reads "
-                                  f"only {want!r} (FP8 e4m3 with UE8M0 128x128 block scales, MXFP4 experts)")
+                                  f"{' or '.join(map(repr, ok))} (FP8 e4m3 with UE8M0 128x128 block scales, MXFP4 or "
+                                  "FP8 experts)")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")

@@ -177,6 +177,18 @@ class GoldenSelection(NamedTuple):
     margin: torch.Tensor
 
 
+def _logits_hold(logits: torch.Tensor, glog: torch.Tensor, dtype: str) -> bool:
+    """Both logit tensors of one floating dtype, float64 exactly for a float64 run (whose greedy check is the
+    tightest) and otherwise at least as precise as the run (a bf16 run's engine returns float32 logits): logits
+    rewritten in a lower precision, or a float64 store's manifest relabelled, are refused."""
+    run = getattr(torch, dtype, None)
+    if not (isinstance(run, torch.dtype) and run.is_floating_point and logits.dtype == glog.dtype
+            and logits.dtype.is_floating_point):
+        return False
+    wide = torch.float64
+    return (logits.dtype == wide) == (run == wide) and torch.finfo(logits.dtype).eps <= torch.finfo(run).eps
+
+
 class GoldenStore:
     """A verified, read-only golden store; tensors load lazily. Use :meth:`open`."""
 
@@ -272,8 +284,9 @@ class GoldenStore:
             elif tuple(logits.shape) != (ids.numel(), v) or tuple(glog.shape) != (toks.numel(), v):
                 problem = (f"logits of shape {tuple(logits.shape)} and {tuple(glog.shape)}, expected "
                            f"{(ids.numel(), v)} and {(toks.numel(), v)}")
-            elif {str(t.dtype).removeprefix("torch.") for t in (logits, glog)} != {dtype}:
-                problem = f"logits of dtype {logits.dtype} and {glog.dtype}, the manifest says {dtype}"
+            elif not _logits_hold(logits, glog, dtype):
+                problem = (f"logits of dtype {logits.dtype} and {glog.dtype} do not come from the manifest's {dtype} "
+                           "run (float64 runs make float64 logits, others float32 or wider)")
             elif not (torch.isfinite(logits).all() and torch.isfinite(glog).all()):
                 problem = "non-finite logits"
             else:

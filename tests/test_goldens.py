@@ -229,9 +229,12 @@ def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
     ({"teacher.input_ids": torch.tensor([0, 1, 1])}, "the teacher input is not the prompt followed by the greedy"),
     ({"teacher.logits": torch.ones(2, 4)}, r"logits of shape \(2, 4\) and \(1, 4\), expected \(3, 4\)"),
     ({"greedy.logits": torch.tensor([[1.0, float("nan"), 1.0, 1.0]], dtype=torch.float64)}, "non-finite logits"),
-    ({"logits_dtype": torch.float16}, r"logits of dtype torch.float16 and torch.float16, the manifest says float64"),
-    ({"logits_dtype": torch.float32}, r"logits of dtype torch.float32 and torch.float32, the manifest says float64"),
-    ({"dtype": "bfloat16"}, r"logits of dtype torch.float64 and torch.float64, the manifest says bfloat16"),
+    ({"logits_dtype": torch.float16}, r"logits of dtype torch.float16 and torch.float16 do not come from the manifest's"
+                                      " float64 run"),
+    ({"logits_dtype": torch.float32}, r"logits of dtype torch.float32 and torch.float32 do not come from the manifest's"
+                                      " float64 run"),
+    ({"dtype": "bfloat16"}, r"logits of dtype torch.float64 and torch.float64 do not come from the manifest's"
+                            " bfloat16 run"),
     ({"greedy.logits": torch.tensor([[1.0, 1.0, 1.5, 1.0]], dtype=torch.float64)},
      r"greedy logits differ from the teacher-forced logits by 0.5 at step 0 \(limit 1e-09\): the engine's "
      "incremental decode disagrees with its own prefill"),
@@ -318,6 +321,12 @@ def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
     (out / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(GoldenError, match=r"manifest.json does not list teacher.safetensors"):
         GoldenStore.open(out)
+
+
+@pytest.mark.parametrize("run", ["bfloat16", "float16", "float32"])
+def test_a_store_of_a_lower_precision_run_holds_float32_logits(tmp_path, run):
+    """The bundled engine returns float32 logits from a bf16, fp16 or float32 run: such a store opens."""
+    GoldenStore.open(_write(tmp_path, dtype=run, logits_dtype=torch.float32))
 
 
 def test_greedy_against_teacher_tolerance_follows_the_dtype(tmp_path):

@@ -85,7 +85,7 @@ def test_converted_hf_checkpoint_round_trips(tmp_path):
         for name, p in src.named_parameters():
             if name.endswith(("sinks", "base", "position_bias")):
                 p.normal_(0, 0.5)
-        for name, b in src.named_buffers():  # and tid2eid at zero (expert 0 k times, which the loader refuses)
+        for name, b in src.named_buffers():  # and tid2eid at zero (expert 0 k times: a degenerate routing)
             if name.endswith("tid2eid"):
                 b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[: b.shape[1]] for _ in range(b.shape[0])]))
     src.save_pretrained(tmp_path / "hf")
