@@ -106,13 +106,19 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _one_device(spec: str) -> str:
-    """--device as ``--cdna2-device`` reads it (cpu, N or cuda:N), one device."""
+    """--device as ``--cdna2-device`` reads it (cpu, N or cuda:N), one device; any other torch device string
+    (cuda, mps, xpu:0: a user engine's accelerator) passes as torch reads it."""
     import pytest
+    import torch
 
     try:
         found = devices.parse_device_spec(spec, option="--device")
     except pytest.UsageError as e:
-        raise _Fail(str(e)) from None
+        try:
+            torch.device(spec)
+        except (RuntimeError, ValueError):
+            raise _Fail(str(e)) from None
+        return spec
     if len(found) != 1:
         raise _Fail(f"--device={spec}: bisect runs on one device: cpu, N or cuda:N")
     return found[0]

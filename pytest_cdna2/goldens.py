@@ -225,18 +225,20 @@ class GoldenStore:
 
     def verify(self) -> None:
         """Hash every file the manifest lists and refuse a missing file or a checksum mismatch; refuse a store that
-        lists other files than golden ones, or holds files its manifest does not list (one dropped from the
-        manifest would go unchecked)."""
+        lists other files than golden ones, or holds golden files (or any .safetensors) its manifest does not list
+        (one dropped from the manifest would go unchecked). Other files (a README, .DS_Store) are left alone here;
+        a rebuild still refuses them, since it replaces the folder."""
         mpath, files = self.path / MANIFEST, self.manifest["files"]
         unknown = sorted(set(files) - set(GOLDEN_FILES))
         missing = [f for f in GOLDEN_FILES[:2] if f not in files]
         if unknown or missing:
             what = f"lists {', '.join(unknown)}, not golden files" if unknown else f"does not list {missing[0]}"
             raise GoldenError(f"{mpath} {what} (a store holds {', '.join(GOLDEN_FILES)}); {_BUILD_HINT}")
-        unlisted = sorted(f.name for f in self.path.iterdir() if f.name != MANIFEST and f.name not in files)
+        unlisted = sorted(f.name for f in self.path.iterdir() if f.name not in files
+                          and (f.name in GOLDEN_FILES or f.suffix == ".safetensors"))  # a README may sit beside
         if unlisted:
-            raise GoldenError(f"{self.path} holds files its {MANIFEST} does not list ({', '.join(unlisted)}): move "
-                              f"them out, or {_BUILD_HINT}")
+            raise GoldenError(f"{self.path} holds golden files its {MANIFEST} does not list "
+                              f"({', '.join(unlisted)}): move them out, or {_BUILD_HINT}")
         for name, want in files.items():
             f = self.path / name
             if Path(name).name != name or not f.is_file():

@@ -156,9 +156,6 @@ def _resolve(config: pytest.Config) -> Settings:
     if model_v is not None and not model.is_dir():
         raise pytest.UsageError(f"--cdna2-model: {model} is not a folder: pass the checkpoint directory holding "
                                 "config.json")
-    if model_v is not None and not (model / "config.json").is_file():
-        raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "
-                                "folder holding config.json and the *.safetensors (official DeepSeek-V4 layout)")
     gold_v, gold_src = _opt(config, "goldens")
     goldens = DEFAULT_GOLDENS if gold_v is None else _path(config, gold_v, gold_src)
     regen = bool(_opt(config, "regen-goldens")[0])
@@ -189,6 +186,9 @@ def _resolve(config: pytest.Config) -> Settings:
     engine = str(_opt(config, "engine")[0] or "bundled")
     if engine != "bundled" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", engine):
         raise pytest.UsageError(f"--cdna2-engine={engine}: expected bundled or module:factory")
+    if model_v is not None and engine == "bundled" and not (model / "config.json").is_file():
+        raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "
+                                "folder holding config.json and the *.safetensors (official DeepSeek-V4 layout)")
 
     dtype = str(_opt(config, "dtype")[0] or ("float32" if device == "cpu" else "bfloat16"))
     if dtype not in DTYPES:

@@ -137,3 +137,6 @@ def test_bisect_device_takes_the_forms_of_cdna2_device(monkeypatch, tmp_path, ca
     assert "--device=0,1: bisect runs on one device: cpu, N or cuda:N" in _err(capsys)
     assert main(argv + ["gpu"]) == 2
     assert "--device='gpu': expected cpu, N (or cuda:N), N,M or all" in _err(capsys)
+    for spec in ("mps", "xpu:0", "cuda"):  # another accelerator's torch name, for a user engine: as torch reads it
+        assert main(argv + [spec]) == 0
+    assert seen[-3:] == ["mps", "xpu:0", "cuda"]

@@ -308,14 +308,18 @@ def test_taps_follow_tap_prompts(tmp_path):
         GoldenStore.open(out)
 
 
-def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
-    """Dropping selections.safetensors from the manifest (or leaving anything else in the store) is one error at
-    open: the file would otherwise go unchecked and unused."""
+def test_a_golden_file_the_manifest_does_not_list_is_refused(tmp_path):
+    """Dropping selections.safetensors from the manifest (or leaving another .safetensors in the store) is one error
+    at open: the file would otherwise go unchecked and unused. Other files (a README) are no golden: left alone."""
     out = _write(tmp_path / "g", extra={"selections": SEL})
+    (out / "README.txt").write_text("built on the lab's MI250")
+    (out / ".DS_Store").write_bytes(b"\0")
+    GoldenStore.open(out)
     manifest = json.loads((out / MANIFEST).read_text())
     del manifest["files"]["selections.safetensors"]
     (out / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(GoldenError, match=r"holds files its manifest.json does not list \(selections.safetensors\)"):
+    with pytest.raises(GoldenError, match=r"holds golden files its manifest.json does not list "
+                                          r"\(selections.safetensors\)"):
         GoldenStore.open(out)
     manifest["files"].pop("teacher.safetensors")
     (out / MANIFEST).write_text(json.dumps(manifest))

@@ -111,10 +111,9 @@ def make_model(path: str, *, device: str = "cpu", backend: str = "reference", dt
 
 
 def write_fake_model(folder: Path, **cfg) -> Path:
-    """A fake checkpoint folder (config.json, as --cdna2-model requires, and the fake's own fake.json); different
-    ``cfg`` -> a different checkpoint sha256."""
+    """A fake checkpoint folder (the fake's own fake.json, no config.json: only the bundled engine needs one);
+    different ``cfg`` -> a different checkpoint sha256."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text("{}")
     (folder / "fake.json").write_text(json.dumps(cfg))
     return folder
 
