@@ -44,7 +44,10 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
     golden = store.selections(name)
     if not golden or not hasattr(engine, "trace"):
         return Verdict(False, failure, metrics, 0)
-    tr = engine.trace(ids, selections=forced_selections(store, name, dev))
+    try:
+        tr = engine.trace(ids, selections=forced_selections(store, name, dev))
+    except ValueError as e:  # the engine refuses the golden's selections (another model's, or a form it has not)
+        return Verdict(False, f"{what}: the engine refuses the golden's selections: {e}", metrics, 0)
     try:
         diff = selection_diff(tr.selections, golden, tie_margin=limits.tie_margin)
     except ValueError as e:

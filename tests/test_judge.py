@@ -74,6 +74,20 @@ def test_near_tie_rule(error, flip_at, forced_error, ok, flips, message):
     assert message in v.message and (v.message == "") == ok
 
 
+def test_an_engine_refusing_the_golden_selections_fails_the_prompt_in_one_line():
+    """A failing prompt whose golden selections the engine refuses (another model's store) is a verdict with the
+    engine's reason, not a traceback out of the token tier."""
+    store = Store()
+    engine = Engine(store, 2.0, 2, 0.0)
+
+    def refuse(ids, selections):
+        raise ValueError("selections[(0, 'router')] holds ids 0..9, outside 0..7")
+
+    engine.trace = refuse
+    v = judge_prompt(engine, store, "p", LIMITS)
+    assert not v.ok and "prompt p: the engine refuses the golden's selections: selections[(0, 'router')]" in v.message
+
+
 class Causal:
     """A causal fake model: position t's logits depend on tokens 0..t of its own row only (a running sum of
     embeddings). batch_leak: every row also sees the batch's mean (a kernel that mixes rows); stale: decode

@@ -289,7 +289,8 @@ def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
     assert not tri._locks(dev, 0).any()
 
 
-@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_two", "moe_mma_down_two"])
+@pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_8", "moe_mma_down_4",
+                                  "moe_mma_gate_up_two", "moe_mma_down_two"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

@@ -244,10 +244,14 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True, PREFETCH=True, PRMT=True), 2, False),
     ("moe_mma_gate_up", moe_mma_gate_up_kernel,  # the few-token tensor-core MXFP4 (inline PTX mma.sync)
      _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=4, SPLITP=4, PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_gate_up_8", moe_mma_gate_up_kernel,  # one pair a row at 8-11 tokens (MOE_MMA SPLITS)
+     _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=2, SPLITP=2, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_gate_up_two", moe_mma_gate_up_kernel,  # two pairs of one expert a program row (12-64 tokens), with
      _sig(*_MMA_UP, HAS_LIMIT=True, SPLIT=2, SPLITP=2, TWO=True, PDL=PDL_AVAILABLE), 1, True),  # their K splits
     ("moe_mma_down", moe_mma_down_kernel,
      _sig(*_MMA_DOWN, SPLIT=2, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_down_4", moe_mma_down_kernel,  # one pair a row at 4-11 tokens, unsplit
+     _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down_two", moe_mma_down_kernel,  # (MOE_MMA SPLITS)
      _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_down_stream_prmt", moe_down_kernel,
