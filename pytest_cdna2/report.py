@@ -9,6 +9,7 @@ so a JUnit consumer parses it with any JSON reader.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Iterable
@@ -202,7 +203,9 @@ class PerfGate:
             why.append(f"{len(pending)} correctness test(s) not run yet (ordered after perf): {_ids(pending)}")
         missing = [t for t in self.required if t not in self.passed_tiers]
         if missing:
-            why.append(f"no passing {', '.join(missing)} test in this session")
+            no_triton = "isa" in missing and importlib.util.find_spec("triton") is None
+            hint = " (the isa tier compiles with Triton, not installed: pip install -e '.[suite]')" if no_triton else ""
+            why.append(f"no passing {', '.join(missing)} test in this session{hint}")
         if not why:
             return None
         return (f"cdna2 perf: {'; '.join(why)}: perf runs only after the whole suite passed in the same run "

@@ -268,3 +268,18 @@ def test_summary_limits_keep_the_digits_that_matter():
     assert line.startswith("cosine_min 1.000e+00 (limit >= 9.99999999e-01, ok)")
     line = Metric("t::x", "kl_max", 2.1e-2, 1e-3, "<=", "").line()
     assert line.startswith("kl_max 2.100e-02 (limit <= 1.000e-03, FAIL)")
+
+
+def test_missing_isa_tier_names_triton_when_it_is_not_installed(monkeypatch):
+    """Without Triton the isa tier skips, so perf can never run: the skip reason says why and how to fix it."""
+    import importlib.util
+
+    from pytest_cdna2.report import PerfGate
+
+    gate = PerfGate(("isa",))
+    kw = dict(device="cuda:0", xdist_worker=False, perf_on_cpu=False)
+    assert "Triton, not installed" not in gate.skip_reason(**kw)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert "no passing isa test in this session (the isa tier compiles with Triton, not installed: pip install -e " \
+           "'.[suite]')" in gate.skip_reason(**kw)
