@@ -65,7 +65,6 @@ BUNDLED_GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 _BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
 # the files a store may list; teacher and greedy always, taps and selections when the build recorded any
 GOLDEN_FILES = ("teacher.safetensors", "greedy.safetensors", "taps.safetensors", "selections.safetensors")
-_TAP_KEY = re.compile(r"(\d+)\.(attn_in|attn_out|attn|ffn_in|ffn_out|ffn)")  # bisect.BLOCKS, without importing it
 _SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin)")
 
 
@@ -305,7 +304,8 @@ class GoldenStore:
         listed = set(names)
         forms = {"teacher.safetensors": re.compile(r"input_ids|logits"),
                  "greedy.safetensors": re.compile(r"tokens|logits"),
-                 "taps.safetensors": _TAP_KEY, "selections.safetensors": _SELECTION_KEY}
+                 "taps.safetensors": re.compile(r".+"),  # an engine's own tap names (bisect orders the bundled one's)
+                 "selections.safetensors": _SELECTION_KEY}
         for file in self.manifest["files"]:
             keys = [k.partition(".") for k in self.keys(file)]
             orphans = sorted({n for n, _, _ in keys if n not in listed})

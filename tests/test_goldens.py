@@ -267,6 +267,7 @@ CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratio
     ({"taps": {"p00.0.attn": torch.ones(2, 2)}}, None, r"tap p00.0.attn: \(2, 2\) torch.float32, expected a float "
      "tensor of 3 rows"),
     ({"taps": {"p00.0.attn": torch.ones(3, 2), "p00.1.ffn": torch.ones(3, 2)}}, None, None),
+    ({"taps": {"p00.block3.mlp_out": torch.ones(3, 2)}}, None, None),  # a user engine's own tap names
     ({"selections": SEL}, CONFIG, None),
     ({"selections": {**SEL, "p00.1.router.margin": torch.tensor([1.0, NAN, 1.0])}}, None,
      r"prompt p00: 1.router: margins \(3,\) torch.float32, expected 3 floats >= 0"),
