@@ -23,6 +23,10 @@ QUANTIZATION_CONFIG = {
     "weight_block_size": [128, 128],
     "expert_dtype": "fp4",
 }
+# what this engine reads of each quantization_config key (absent: the official value above); FP8 experts load too,
+# the stored dtype deciding each weight's format
+QUANTIZATION_ACCEPTED = {"fmt": ["e4m3"], "scale_fmt": ["ue8m0"], "weight_block_size": [[128, 128]],
+                         "expert_dtype": ["fp4", "fp8"]}
 
 # V4-Flash's dimensions in four layers, one of each kind (a hash-routed sliding layer, CSA, HCA, CSA): the slice
 # bench/bench_slice.py times and the ISA tier's recorded launches (pytest_cdna2/isa.py) are made at.
@@ -107,9 +111,8 @@ class Config:
         if method != "fp8":
             raise ConfigError(f"config: quantization_config quant_method {method!r} is not supported: the official "
                               f"V4 layout is fp8 (with MXFP4 experts)")
-        for key in ("fmt", "scale_fmt", "weight_block_size", "expert_dtype"):  # absent: the official value
-            got, want = q.get(key, QUANTIZATION_CONFIG[key]), QUANTIZATION_CONFIG[key]
-            ok = [want, "fp8"] if key == "expert_dtype" else [want]  # FP8 experts load too (their dtype decides)
+        for key, ok in QUANTIZATION_ACCEPTED.items():
+            got = q.get(key, QUANTIZATION_CONFIG[key])
             if (list(got) if isinstance(got, tuple) else got) not in ok:
                 raise ConfigError(f"config: quantization_config {key} {got!r} is not supported: this engine reads "
                                   f"{' or '.join(map(repr, ok))} (FP8 e4m3 with UE8M0 128x128 block scales, MXFP4 or "

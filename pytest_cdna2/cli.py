@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--goldens", required=True, metavar="DIR", help="golden store of that model")
     bi.add_argument("--backend", default="reference", choices=("reference", "triton"))
     bi.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
-    bi.add_argument("--device", default="cpu", help="one device, as --cdna2-device: cpu, N or cuda:N")
+    bi.add_argument("--device", default="cpu",
+                    help="one device: cpu, N or cuda:N as --cdna2-device, or another torch device name")
     bi.add_argument("--engine", default="bundled", help="bundled or module:factory")
     bi.add_argument("--prompt", action="append", metavar="NAME", help="only these golden prompts (repeatable)")
     bi.add_argument("--tolerance", metavar="FILE", help="tolerance profile TOML, as --cdna2-tolerance")

@@ -250,10 +250,10 @@ class GoldenStore:
                 )
 
     def check_contents(self, config: Any = None) -> None:
-        """Every prompt's teacher and greedy tensors are there, shaped, of the manifest's dtype, finite, in the
-        vocabulary and consistent with each other (the teacher input is the prompt then the greedy continuation,
-        and the greedy logits are the teacher logits at those positions); no file holds a tensor the manifest's
-        prompts do not account for; taps and selections are checked too (:meth:`_check_taps`,
+        """Every prompt's teacher and greedy tensors are there, shaped, made by the manifest's run (`_logits_hold`),
+        finite, in the vocabulary and consistent with each other (the teacher input is the prompt then the greedy
+        continuation, and the greedy logits are the teacher logits at those positions); no file holds a tensor the
+        manifest's prompts do not account for; taps and selections are checked too (:meth:`_check_taps`,
         :meth:`_check_selections`). A store whose files match their hashes but not each other is one GoldenError at
         open, not a traceback in every test or a failure blamed on the engine."""
         mpath = self.path / MANIFEST
