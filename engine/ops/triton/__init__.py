@@ -225,7 +225,7 @@ FP8_STREAM_MAX_M = 1
 # copy; a run's first timings can be 5-15% slower) at 32 x 256 with 4 warps, which without LOCAL was not better
 # than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster.
 FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
-              "PREFETCH": False, "LOCAL": 16}
+              "PREFETCH": False, "LOCAL": 16, "NORM_EARLY": True}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
 # the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
 # expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
@@ -334,7 +334,7 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             _split_tile_ok(x.device, bn, "FP8_STREAM")
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         norm = {} if x_norm is None else dict(nw_ptr=x_norm[0].contiguous(), x_eps=float(x_norm[1]), X_NORM=True,
-                                              XP=_pow2(k))
+                                              XP=_pow2(k), NORM_EARLY=bool(c["NORM_EARLY"]))
         if glu is not None:
             norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),
