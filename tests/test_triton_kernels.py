@@ -92,8 +92,6 @@ def test_fp8_linear(dtype, b, s, hw, unroll, prefetch, k, long, local, monkeypat
     assert rel(normed, ref.linear(x.double() * 3, w, x_norm=(nw.double(), 1e-6))) <= TOL[dtype]
     if stream:  # the fused form against the two-launch one (elsewhere they are the same calls)
         assert rel(normed, tri.linear(tri.rms_norm(x * 3, nw, 1e-6), w)) <= TOL[torch.float32]
-        monkeypatch.setitem(tri.FP8_STREAM, "NORM_EARLY", False)  # the first tile peeled or not: the same sums
-        assert torch.equal(normed, tri.linear(x * 3, w, x_norm=(nw, 1e-6)))
     gu = torch.randn(b, s, 2 * k, generator=g).to(dtype) * 4  # [gate | up] through swiglu as w reads it
     for limit in (7.0, 0.0):  # clamped (|values| reach 7), unclamped
         got = tri.linear(gu, w, glu=limit)

@@ -223,9 +223,12 @@ FP8_STREAM_MAX_M = 1
 # (sm_90: the 64 x 256 tile 124 -> 64 registers, so all of wq_b's programs fit the SMs at once). The H200
 # (bench/probe_fp8.py, runs 122-125, and bench_kernels.py, run 128): wq_b 12.2-12.6 -> 10.4-10.8 us (0.73-0.76 of
 # copy; a run's first timings can be 5-15% slower) at 32 x 256 with 4 warps, which without LOCAL was not better
-# than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster.
+# than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster. NORM_MAXNREG (CUDA): the
+# registers of a stream with a fused x_norm, whose row-RMS prologue took wq_b's kernel from 63 to 67 registers, 7
+# programs an SM instead of 8, and its 1024 programs into a second wave: at 64, 13.0 -> 11.1 us (plain 10.1-10.5),
+# the slice 0.756 -> 0.751 ms (bench/probe_fp8_norm.py and ab_slice.py, NOTES run 232).
 FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
-              "PREFETCH": False, "LOCAL": 16, "NORM_EARLY": True}
+              "PREFETCH": False, "LOCAL": 16, "NORM_MAXNREG": 64}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
 # the longer each row's contiguous run per step is (bench/probe_fp8.py, run 35: wo_b 15.0 -> 12.3 us, the shared
 # expert's w1|w3 9.7 -> 7.6, w2 6.7 -> 4.9, wq_a|wkv 6.8 -> 6.0, wo_a 13.8 -> 12.6; at K = 1024 it loses: wq_b 12.3
@@ -334,7 +337,9 @@ def _fp8_grouped(x: torch.Tensor, w: QWeight, groups: int, out_dtype: torch.dtyp
             _split_tile_ok(x.device, bn, "FP8_STREAM")
         locks = _locks(x.device, triton_cdiv(r, bn) * m * g if split > 1 else 0)
         norm = {} if x_norm is None else dict(nw_ptr=x_norm[0].contiguous(), x_eps=float(x_norm[1]), X_NORM=True,
-                                              XP=_pow2(k), NORM_EARLY=bool(c["NORM_EARLY"]))
+                                              XP=_pow2(k))
+        if x_norm is not None and c["NORM_MAXNREG"] and _ptx(x):
+            norm["maxnreg"] = c["NORM_MAXNREG"]
         if glu is not None:
             norm.update(glu_limit=float(glu or 0.0), X_GLU=2 if glu and glu > 0 else 1)
         launch("fp8_stream_kernel", (triton_cdiv(r, bn), m * split, g), *args, chunk, part, locks, part.stride(0),

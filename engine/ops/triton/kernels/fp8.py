@@ -203,7 +203,7 @@ def fp8_stream_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
     UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = False, SPLITP: tl.constexpr = 1,
     nw_ptr=None, x_eps=0.0, X_NORM: tl.constexpr = False, XP: tl.constexpr = 1, glu_limit=0.0,
-    X_GLU: tl.constexpr = 0, LOCAL: tl.constexpr = 1, NORM_EARLY: tl.constexpr = False,
+    X_GLU: tl.constexpr = 0, LOCAL: tl.constexpr = 1,
 ):
     """Decode (one x row per program row) weight-streaming GEMV, no tl.dot: y[m, g, r] = sum_k x W.
 
@@ -224,8 +224,7 @@ def fp8_stream_kernel(
     for LOCAL <= 4.
     X_NORM (one group): x is first RMS-normed with the weight at nw_ptr (rms_norm's numerics): every program
     reads the whole row of x (XP: K rounded up to a power of two) for its inverse RMS, so the norm needs no
-    launch of its own (q's norm before wq_b and the indexer's wq_b). NORM_EARLY (not with PREFETCH): the first
-    tile's loads are issued beside the row's, before the norm's sum waits for them.
+    launch of its own (q's norm before wq_b and the indexer's wq_b).
     X_GLU (one group; 1, or 2 with glu_limit): x rows are [gate | up] (2K wide) and W reads swiglu(gate, up) as
     the stream loads it (the shared expert's w2 after its joined w1|w3: no swiglu launch).
     """
@@ -251,26 +250,18 @@ def fp8_stream_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K // LOCAL), dtype=tl.float32)
     k_lo = split * K_CHUNK
     k_end = K
-    k_first = k_lo
     nw_base = nw_ptr
     xr = 1.0
     if X_NORM:
         nw_base = nw_ptr + tl.arange(0, BLOCK_K)
         kx = tl.arange(0, XP)
         xf = tl.load(x_ptr + m * stride_xm + kx, mask=kx < K, other=0.0).to(tl.float32)
-        if NORM_EARLY and not PREFETCH:
-            k_end = tl.minimum(K, k_lo + K_CHUNK)  # the loop's last UNROLL step may pass the peeled chunk's end
-            wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k_lo, k_end, r_ok, BLOCK_K, UNIFORM, False)
         xr = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + x_eps)
-        if NORM_EARLY and not PREFETCH:
-            nw = tl.load(nw_base + k_lo, mask=k_lo + tl.arange(0, BLOCK_K) < k_end, other=0.0).to(tl.float32)
-            acc = _fp8_stream_fma(acc, wb, (x.to(tl.float32) * xr * nw).to(x.dtype), s, HW, UNIFORM, LOCAL)
-            k_first = k_lo + BLOCK_K
     if PREFETCH:
         k_end = tl.minimum(K, k_lo + K_CHUNK)  # the prefetch past this split's last tile reads nothing
         wb, x, s = _fp8_stream_load(w_base, x_base, s_tile, s_rows, k_lo, k_end, r_ok, BLOCK_K, UNIFORM, True,
                                     nw_base, xr, X_NORM, K, glu_limit, X_GLU)
-    for k0 in range(k_first, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
+    for k0 in range(k_lo, k_lo + K_CHUNK, BLOCK_K * UNROLL):  # K_CHUNK: a multiple of BLOCK_K * UNROLL
         for u in tl.static_range(UNROLL):
             k = k0 + u * BLOCK_K
             if PREFETCH:

@@ -56,9 +56,9 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("fp8_stream_long", fp8_stream_kernel,  # FP8_STREAM_LONG: 8 rows x 1 KB a step (K >= 2048), split K
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, LOCAL=16),
      4, False),
-    ("fp8_stream_xnorm", fp8_stream_kernel,  # wq_b's form: q_norm applied as x is read (first tile beside the row)
+    ("fp8_stream_xnorm", fp8_stream_kernel,  # wq_b's form: q_norm applied as x is read (the row's RMS first)
      _sig(_FP8_STREAM_ARGS[0] + " nw_ptr x_eps", _FP8_STREAM_ARGS[1] + " *bf16 fp32", BLOCK_N=32, BLOCK_K=256,
-          HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, X_NORM=True, XP=1024, LOCAL=16, NORM_EARLY=True), 4, False),
+          HW=False, UNIFORM=True, UNROLL=1, SPLIT=1, X_NORM=True, XP=1024, LOCAL=16), 4, False),
     ("fp8_stream_glu", fp8_stream_kernel,  # the shared expert's w2: swiglu(gate, up) applied as x is read
      _sig(_FP8_STREAM_ARGS[0] + " glu_limit", _FP8_STREAM_ARGS[1] + " fp32", BLOCK_N=8, BLOCK_K=1024,
           HW=False, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, X_GLU=2, LOCAL=16), 4, False),
