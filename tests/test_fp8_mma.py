@@ -6,6 +6,7 @@ The kernel is inline PTX (GPU only: the GPU tests below and bench/probe_fp8.py -
 - the operand mapping (which bytes and which tokens' x values a lane feeds to which mma step) is replayed through
   the PTX ISA's m16n8k16 fragment tables and must give W @ x for each token exactly;
 - the kernel assembles for sm_80, where the path turns on.
+Also on the GPU: the one-token FP8 stream with q's norm fused, under its register cap.
 """
 
 from __future__ import annotations
@@ -155,3 +156,27 @@ def test_fp8_linear_tensor_core_gpu(r, k, groups, min_warps, m, monkeypatch):
     got32 = tri._fp8_grouped(x, w, groups, torch.float32).double()
     for t in range(m):
         assert ((got32[t] - want[t]).norm() / want[t].norm()).item() <= 1e-5, t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="register cap (maxnreg): a CUDA compile option, needs a GPU")
+@pytest.mark.parametrize("r", [32768, 8192])
+def test_fp8_stream_fused_norm_register_cap_gpu(r, monkeypatch):
+    """wq_b's and the indexer's wq_b shapes (1024 -> r) with q's RMSNorm fused into the one-token stream, launched
+    with its registers capped (FP8_STREAM["NORM_MAXNREG"], so the launch fits one wave): the same bits as uncapped,
+    the same values as rms_norm then linear (fp32 output, both from the same bf16-rounded normed x: only the fp32
+    sums' order differs, 1e-5 as DESIGN.md section 5's fp32 bound), and within bf16's 1e-2 of the float64 reference
+    (which does not round the normed x); NaN-poisoned outputs."""
+    monkeypatch.setattr(tri, "POISON", True)
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(r)
+    w = _fp8(r, 1024, gen, dev)
+    x = (torch.randn(1, 1024, generator=gen, device=dev) * 3).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(1024, generator=gen, device=dev)).to(torch.bfloat16)
+    assert tri.FP8_STREAM["NORM_MAXNREG"]
+    capped = tri.linear(x, w, torch.float32, x_norm=(nw, 1e-6))
+    monkeypatch.setitem(tri.FP8_STREAM, "NORM_MAXNREG", None)
+    assert torch.equal(capped, tri.linear(x, w, torch.float32, x_norm=(nw, 1e-6)))
+    apart = tri.linear(tri.rms_norm(x, nw, 1e-6), w, torch.float32)
+    assert ((capped - apart).norm() / apart.norm()).item() <= 1e-5
+    want = ref.linear(x.double(), w, x_norm=(nw.double(), 1e-6))
+    assert ((capped.double() - want).norm() / want.norm()).item() <= 1e-2
