@@ -1,7 +1,7 @@
 """Time the per-pair tensor-core MoE (gate/up + down) at V4-Flash shapes for several K splits and token counts,
 after a check against the float64 reference; the same volume and byte count as bench_kernels.py's moe_bench.
 
-    python bench/mma_splits.py [--tokens 1,4,16,64] [UP,DOWN[,PDL] | table ...]   # on the GPU machine
+    python bench/mma_splits.py [--tokens 1,4,16,64] [UP,DOWN[,PDL][:KEY=N] | table[:KEY=N] ...]   # on the GPU
     default: table 4,2 2,1 1,1 (table: MOE_MMA's own SPLITS by token count; PDL 1: on); rounds interleave the
     configurations; --small runs it in the CPU interpreter at tiny shapes
 """
@@ -28,13 +28,16 @@ def routings(t: int, n: int = 24) -> list:
     return sets
 
 
-def split_rows(arg: str, table: tuple) -> tuple[tuple, bool]:
-    """A command-line configuration as (MOE_MMA SPLITS rows, PDL): "table" the engine's own, "UP,DOWN[,PDL]" one
-    row for every token count."""
+def split_rows(arg: str, table: tuple) -> tuple[tuple, bool, dict]:
+    """A command-line configuration as (MOE_MMA SPLITS rows, PDL, other MOE_MMA items): "table" the engine's own,
+    "UP,DOWN[,PDL]" one row for every token count; either may end in ":KEY=VALUE" (e.g. table:TWO_MIN_T=1073741824)."""
+    arg, _, item = arg.partition(":")
+    key, _, value = item.partition("=")
+    extra = {key: int(value)} if key else {}
     if arg == "table":
-        return table, True
+        return table, True, extra
     up, down, pdl = (*(int(v) for v in arg.split(",")), 1)[:3]
-    return ((1, up, down),), bool(pdl)
+    return ((1, up, down),), bool(pdl), extra
 
 
 def main() -> None:
@@ -43,7 +46,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("splits", nargs="*")
     a = ap.parse_args()
-    table = tri.MOE_MMA["SPLITS"]
+    table, saved = tri.MOE_MMA["SPLITS"], dict(tri.MOE_MMA)
     configs = {s: split_rows(s, table) for s in a.splits or ["table", "4,2", "2,1", "1,1"]}
     w1, w3 = B.fp4_weight(B.N_EXP, B.INTER, B.HID), B.fp4_weight(B.N_EXP, B.INTER, B.HID)
     w2 = B.fp4_weight(B.N_EXP, B.HID, B.INTER)
@@ -60,16 +63,16 @@ def main() -> None:
         planned = [(x, idx, wt, tri.moe_prepare(x, idx, B.N_EXP)) for x, idx, wt, _ in sets]
         pair = B.moe_pair(w1, w3, w2)
         times = {}
-        for name, (rows, pdl) in configs.items():
-            tri.MOE_MMA.update(on=True, SPLITS=rows, PDL=pdl)
+        for name, (rows, pdl, extra) in configs.items():
+            tri.MOE_MMA.update(saved, on=True, SPLITS=rows, PDL=pdl, **extra)
             err = B.rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want)
             B.check(results, f"moe T={t} splits {name}", err)
             if err <= 1e-2:  # timings count only for right outputs
                 times[name] = []
         for _ in range(3):  # rounds: each configuration once a round
             for name in times:
-                rows, pdl = configs[name]
-                tri.MOE_MMA.update(on=True, SPLITS=rows, PDL=pdl)
+                rows, pdl, extra = configs[name]
+                tri.MOE_MMA.update(saved, on=True, SPLITS=rows, PDL=pdl, **extra)
                 times[name].append(B.time_graph_ms(pair, planned))
         for name, ms in times.items():
             tri.MOE_MMA.update(SPLITS=configs[name][0])
