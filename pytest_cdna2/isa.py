@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 LDS_LIMIT = 65536
+_TILES = ("the launch's tile table (engine/ops/triton/__init__.py) or the spec (engine/ops/triton/kernels/specs.py) "
+          "that set it")
 GFX90A = ("hip", "gfx90a", 64)
 SM90 = ("cuda", 90, 32)
 
@@ -79,14 +81,19 @@ class KernelAudit:
                 out.append(f"amdgcn metadata {', '.join(unread)} not found: this Triton's output cannot be audited "
                            "(pytest_cdna2/isa.py reads those keys)")
             if self.scratch_bytes:
-                out.append(f"scratch {self.scratch_bytes} B (registers spilled to memory)")
+                out.append(f"scratch {self.scratch_bytes} B (registers spilled to memory): shrink its BLOCK_* tile or "
+                           f"raise num_warps in {_TILES}")
             if self.lds_bytes is not None and self.lds_bytes > LDS_LIMIT:
-                out.append(f"LDS {self.lds_bytes} B > {LDS_LIMIT}")
+                out.append(f"LDS {self.lds_bytes} B > {LDS_LIMIT} (cannot launch on gfx90a): lower num_stages or its "
+                           f"BLOCK_* tile in {_TILES}")
             if self.matmul and not self.has_mfma:
-                out.append("matmul kernel without v_mfma")
+                out.append("matmul kernel without v_mfma (its tl.dot fell back to FMAs): give the dot bf16/fp16/fp32 "
+                           f"operands and at least 16 x 16 tiles in {_TILES}, or mark a dot-free spec matmul=False")
             for bits, mode in (("fp16", self.denorm_f16), ("fp32", self.denorm_f32)):
                 if mode is not None and mode != 3:
-                    out.append(f"{bits} denormals not kept (mode {mode}): the E2M1/E4M3 decode needs them")
+                    out.append(f"{bits} denormals not kept (mode {mode}): the E2M1/E4M3 decode needs them; the compile "
+                               "options (COMPILE_OPTIONS in engine/ops/triton/__init__.py, a launch's keywords) must "
+                               "not flush them (Triton's allow_flush_denorm=True does)")
         return out
 
     def row(self) -> str:

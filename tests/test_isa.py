@@ -308,3 +308,16 @@ def test_specialize_matches_the_jits_own_compile_gpu(tmp_path):
         compiled = fn.warmup(*args, grid=grid, **kwargs).src  # the JIT's cached kernel for these arguments
         sig, const, attrs, _ = isa.specialize(fn, args, kwargs, target)
         assert (sig, const, attrs) == (compiled.signature, compiled.constants, compiled.attrs), name
+
+
+def test_violations_name_the_fix():
+    """Each rule's message says what to change and where, not only what is wrong."""
+    a = isa.KernelAudit("k", "gfx90a", True, vgpr=512, agpr=256, scratch_bytes=896, lds_bytes=81920, has_mfma=False,
+                        denorm_f16=0, denorm_f32=0, matmul=True)
+    v = a.violations()
+    assert len(v) == 5, v
+    scratch, lds, mfma, f16, f32 = v
+    for msg in (scratch, lds, mfma):
+        assert "engine/ops/triton/__init__.py" in msg and "engine/ops/triton/kernels/specs.py" in msg, msg
+    assert "num_warps" in scratch and "num_stages" in lds and "matmul=False" in mfma
+    assert all("allow_flush_denorm" in m and "COMPILE_OPTIONS" in m for m in (f16, f32))
