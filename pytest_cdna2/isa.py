@@ -8,21 +8,23 @@ the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
 
-Occupancy estimate on gfx90a, the lower of two limits. Registers (CDNA2 ISA guide: each SIMD has 512
-unified 32-bit registers per lane, shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at most 8
-waves per SIMD; on gfx90a the `.vgpr_count` the compiler writes is already the unified total, arch VGPRs
+Occupancy estimate on gfx90a, from two limits counted in whole workgroups (a CU takes a workgroup's
+num_warps waves all at once, spread over its 4 SIMDs; HIP's own hipOccupancyMaxActiveBlocksPerMultiprocessor
+divides the CU's register-limited waves by the workgroup's the same way). Registers (CDNA2 ISA guide: each SIMD
+has 512 unified 32-bit registers per lane, shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at
+most 8 waves per SIMD; on gfx90a the `.vgpr_count` the compiler writes is already the unified total, arch VGPRs
 aligned plus AGPRs: a kernel using 256 + 256 reports 512). LDS (64 KiB per CU, allocated to a workgroup in
-blocks of 128 dwords, LLVM AMDGPUUsage's LDS_SIZE granularity for GFX7-GFX10, which includes gfx90a; a
-workgroup's num_warps waves spread over the CU's 4 SIMDs):
+blocks of 128 dwords, LLVM AMDGPUUsage's LDS_SIZE granularity for GFX7-GFX10, which includes gfx90a):
 
     regs      = ceil(vgpr_count / 8) * 8
-    by_regs   = min(8, floor(512 / regs))
-    groups    = floor(65536 / (ceil(lds_bytes / 512) * 512))          (no LDS: no limit)
-    by_lds    = ceil(groups * num_warps / 4)                           (the busiest SIMD)
-    waves     = min(by_regs, by_lds)      (0 means the wave cannot launch at all)
+    by_regs   = min(8, floor(512 / regs))                              (waves a SIMD)
+    groups    = floor(4 * by_regs / num_warps)                         (workgroups a CU by registers)
+    groups    = min(groups, floor(65536 / (ceil(lds_bytes / 512) * 512)))   (and by LDS; no LDS: no limit)
+    waves     = ceil(groups * num_warps / 4)                           (the busiest SIMD; 0: cannot launch)
 
 A kernel whose pipelined tiles take 48 KiB of LDS runs one workgroup a CU however few registers it holds: at 4
-warps that is one wave a SIMD, at 8 warps two.
+warps that is one wave a SIMD, at 8 warps two. And an 8-warp kernel whose registers allow 5 waves a SIMD runs 4:
+the CU's 20 wave slots hold two whole 8-wave workgroups, not two and a half.
 
 Two sets are audited. `audit_all`: every kernel in kernels.ISA_SPECS at a representative tile, unspecialized
 (every variant, including ones no decode step launches; MFMA is required of the matmul specs). `audit_launches`:
@@ -108,11 +110,10 @@ class KernelAudit:
 def occupancy_gfx90a(vgpr_count: int, lds_bytes: int = 0, num_warps: int = 4) -> int:
     """Waves per SIMD on gfx90a allowed by registers and by LDS (formula in the module docstring)."""
     regs = -(-vgpr_count // 8) * 8
-    waves = min(8, 512 // max(regs, 8))
+    groups = 4 * min(8, 512 // max(regs, 8)) // num_warps  # whole workgroups a CU by registers
     if lds_bytes > 0:
-        groups = LDS_LIMIT // (-(-lds_bytes // 512) * 512)
-        waves = min(waves, -(-groups * num_warps // 4))
-    return waves
+        groups = min(groups, LDS_LIMIT // (-(-lds_bytes // 512) * 512))
+    return -(-groups * num_warps // 4)
 
 
 def _meta(text: str, key: str) -> int | None:

@@ -80,6 +80,18 @@ def test_occupancy_lds_limit():
     assert isa.occupancy_gfx90a(64, lds_bytes=0, num_warps=8) == 8  # no LDS: no limit from it
 
 
+def test_occupancy_counts_whole_workgroups():
+    """A CU takes a workgroup's waves all at once (as HIP's occupancy API counts them: the CU's register-limited
+    waves divided by the workgroup's), so an 8-warp kernel loses the SIMD slots that cannot hold a whole group
+    (values worked by hand)."""
+    assert isa.occupancy_gfx90a(96, num_warps=8) == 4  # 5 waves a SIMD = 20 a CU: two 8-wave groups = 16 waves
+    assert isa.occupancy_gfx90a(96, num_warps=4) == 5  # five 4-wave groups fill the 20 slots
+    assert isa.occupancy_gfx90a(96, num_warps=1) == 5
+    assert isa.occupancy_gfx90a(160, num_warps=8) == 2  # 3 a SIMD = 12 a CU: one group
+    assert isa.occupancy_gfx90a(96, lds_bytes=20480, num_warps=8) == 4  # LDS allows 3 groups, registers 2
+    assert isa.occupancy_gfx90a(264, num_warps=8) == 0  # 1 a SIMD = 4 a CU: an 8-wave group never fits
+
+
 def test_bad_spec_is_reported():
     """An fp8 matmul tile of 256 x 256 x 128 on 4 warps: the 256 x 256 fp32 accumulator spills (scratch)."""
     from cdna2_engine.ops.triton import kernels as k

@@ -266,7 +266,7 @@ ATTN_GATHER_KEYS = 6144
 # warps a prefill program (runs 163-164): 1, 4 and 8 warps, 8 heads or 32-key blocks were slower.
 ATTN_WIDE = {"BLOCK_H": 16, "BLOCK_L": 16, "num_warps": 2}
 ATTN_WIDE_SPLIT = {"BLOCK_H": 16, "BLOCK_L": 32, "num_warps": 4}
-ATTN_WIDE_ROCM = {"BLOCK_L": 16, "num_warps": 8}  # both forms there, untuned: the ISA tier's 2-3 waves a SIMD
+ATTN_WIDE_ROCM = {"BLOCK_L": 16, "num_warps": 8}  # both forms there, untuned: the ISA tier's 2 waves a SIMD
 
 
 # FP8 at 2..max_m tokens (a batched decode step) on the tensor cores (kernels/mma.py `fp8_mma_kernel`: CUDA sm_80+, bf16
