@@ -6,11 +6,11 @@ are relative to the ini file, command-line paths to the current directory.
 
 Perf gating (``report.PerfGate``): perf-marked tests are sorted last, after any other plugin's reordering, and
 skipped, with the reason, unless the whole correctness suite passed in the same session: no test failed and no
-file failed to collect, nothing was deselected, and each required tier (weight, kernel, token, determinism, isa;
-with your own engine weight, token and determinism, since the kernel and isa tiers check the bundled engine's
-ops) had passing tests. Tiers are read from markers only. On the CPU perf is skipped. Under xdist the session
-is split over workers, so no worker can know that everything passed: perf tests are skipped there with a reason
-saying to run them without ``-n``.
+file failed to collect, nothing was deselected or picked by node id (``file.py::test``), and each required tier
+(weight, kernel, token, determinism, isa; with your own engine weight, token and determinism, since the kernel
+and isa tiers check the bundled engine's ops) had passing tests. Tiers are read from markers only. On the CPU
+perf is skipped. Under xdist the session is split over workers, so no worker can know that everything passed:
+perf tests are skipped there with a reason saying to run them without ``-n``.
 """
 
 from __future__ import annotations
@@ -284,6 +284,35 @@ class _Recorder:
 
     def pytest_deselected(self, items: list[pytest.Item]) -> None:
         self.gate.deselected += sum(not _is_perf(i) for i in items)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.gate.picked = _picked_by_node_id(session)
+
+
+def _picked_by_node_id(session: pytest.Session) -> list[str]:
+    """The command-line arguments naming tests (``file.py::test``, ``file.py::Class``) that selected correctness
+    tests: pytest collects only the named tests and deselects nothing, so a few picked tests would otherwise pass
+    for the suite. A perf test named by node id beside whole correctness files is no such pick; an argument whose
+    file cannot be found (``--pyargs``) counts as one."""
+    config = session.config
+    tests: dict[Path, list[list[str]]] = {}
+    for i in session.items:
+        if not _is_perf(i):
+            tests.setdefault(Path(i.path).resolve(), []).append(i.nodeid.split("::")[1:])
+
+    def names(arg: list[str], parts: list[str]) -> bool:  # `test_x` names every parametrization test_x[...]
+        return len(parts) >= len(arg) and all(a in (p, p.split("[")[0]) for a, p in zip(arg, parts[:len(arg)],
+                                                                                           strict=True))
+
+    picked = []
+    for arg in config.args:
+        if "::" not in arg:
+            continue
+        file, *arg_parts = arg.split("::")
+        path = (config.invocation_params.dir / file).resolve()
+        if not path.exists() or any(names(arg_parts, parts) for parts in tests.get(path, ())):
+            picked.append(arg)
+    return picked
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

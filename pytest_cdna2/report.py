@@ -150,14 +150,15 @@ def _ids(ids: list[str]) -> str:
 
 class PerfGate:
     """Perf tests run last and only after the whole correctness suite passed in the same session: no test failed
-    or errored, nothing failed to collect, no test was deselected (-k, -m, --lf), every other test has run, and
-    each required tier had a passing test."""
+    or errored, nothing failed to collect, no test was deselected (-k, -m, --lf) or picked by node id
+    (file.py::test), every other test has run, and each required tier had a passing test."""
 
     def __init__(self, required: tuple[str, ...]) -> None:
         self.required = required  # correctness tiers that must have passed in this session
         self.failed: list[str] = []
         self.collect_errors: list[str] = []
         self.deselected = 0
+        self.picked: list[str] = []  # node-id arguments (file.py::test) that selected correctness tests
         self.finished: set[str] = set()  # non-perf tests whose teardown has reported
         self.passed_tiers: set[str] = set()
 
@@ -199,6 +200,8 @@ class PerfGate:
         why = []
         if self.deselected:
             why.append(f"{self.deselected} correctness test(s) deselected (-k, -m, --lf, --sw)")
+        if self.picked:
+            why.append(f"correctness tests picked by node id ({_ids(self.picked)}), not whole files")
         if pending:
             why.append(f"{len(pending)} correctness test(s) not run yet (ordered after perf): {_ids(pending)}")
         missing = [t for t in self.required if t not in self.passed_tiers]

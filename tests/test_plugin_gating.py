@@ -148,6 +148,25 @@ def test_a_selection_of_correctness_tests_does_not_open_the_gate(pytester):
     r.stdout.fnmatch_lines(["*cdna2 perf: no passing isa test in this session*"])
 
 
+def test_correctness_tests_picked_by_node_id_do_not_open_the_gate(pytester):
+    """`pytest file.py::test_a file.py::test_b ...` collects only the named tests: nothing is deselected, so one
+    passing test per tier picked by node id opened the gate like -k would have. Whole files still do, and a perf
+    test picked by node id beside them."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    name = "test_correctness_tests_picked_by_node_id_do_not_open_the_gate.py"
+    picks = [f"{name}::{t}" for t in ("test_weight", "test_kernel", "test_tokens", "test_determinism", "test_isa",
+                                      "test_bench")]
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", *picks)
+    r.assert_outcomes(passed=6, skipped=1)
+    r.stdout.fnmatch_lines([f"*cdna2 perf: correctness tests picked by node id ({name}::test_weight, "
+                            f"{name}::test_kernel, {name}::test_tokens, {name}::test_determinism, {name}::test_isa), "
+                            "not whole files: perf runs only after the whole suite passed*"])
+    assert "PERF RAN" not in r.stdout.str()
+    perf = pytester.makepyfile(test_bench_only="import pytest\n@pytest.mark.perf\ndef test_alone():\n    pass\n")
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", name, f"{perf.name}::test_alone")
+    r.assert_outcomes(passed=9)
+
+
 def test_your_own_engine_needs_no_kernel_or_isa_tier(pytester):
     """The kernel tier skips for your engine (it checks the bundled engine's ops) and the isa tier compiles the
     bundled kernels: perf then needs weight, token and determinism only."""
