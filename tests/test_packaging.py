@@ -5,6 +5,7 @@ pytest settings keep pytest's own features working."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 if sys.version_info >= (3, 11):
@@ -48,3 +49,14 @@ def test_the_project_config_keeps_last_failed_working(pytester):
     r = pytester.runpytest_subprocess(*args, "--lf")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["run-last-failure: rerun previous 1 failure"])
+
+
+def test_the_suite_extra_installs_the_plugins_the_suite_needs():
+    """README's suite command installs `.[suite]`; suite/test_perf.py takes pytest-benchmark's `benchmark` fixture,
+    which `.[suite]` lacked: on a GPU the whole suite passed and then both perf tests errored with "fixture
+    'benchmark' not found"."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        suite = tomllib.load(f)["project"]["optional-dependencies"]["suite"]
+    with open(os.path.join(ROOT, "suite", "test_perf.py"), encoding="utf-8") as f:
+        assert re.search(r"def test_\w+\(benchmark\b", f.read())
+    assert "pytest-benchmark" in {re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower() for req in suite}
