@@ -608,15 +608,15 @@ class GoldenWriter:
         self.regen = regen
         if self.out.exists() and not self.out.is_dir():
             raise GoldenError(f"{self.out} exists and is not a folder")
-        if self.out.is_dir() and any(self.out.iterdir()) and not regen:
-            raise GoldenError(
-                f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
-                f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"
-            )
         if self.out.is_dir() and any(self.out.iterdir()) and not (self.out / MANIFEST).is_file():
             raise GoldenError(  # regen replaces the whole folder: never one that holds something else
                 f"{self.out} is not empty and has no {MANIFEST}, so it is not a golden store; refusing to "
                 f"replace it: pass a new or empty folder"
+            )
+        if self.out.is_dir() and any(self.out.iterdir()) and not regen:
+            raise GoldenError(
+                f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
+                f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"
             )
         if regen and self.out.resolve() == BUNDLED_GOLDENS:
             raise GoldenError(

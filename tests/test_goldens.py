@@ -184,6 +184,9 @@ def test_regen_never_replaces_a_folder_that_is_not_a_store(tmp_path):
     (model / "config.json").write_text("{}")
     with pytest.raises(GoldenError, match=r"model is not empty and has no manifest.json.*pass a new or empty folder"):
         _write(model, regen=True)
+    # without regen too: "goldens already exist ... pass --regen" named a fix that the rebuild then refused
+    with pytest.raises(GoldenError, match=r"model is not empty and has no manifest.json.*pass a new or empty folder"):
+        _write(model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     assert (model / "config.json").read_text() == "{}"
 
