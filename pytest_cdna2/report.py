@@ -190,14 +190,15 @@ class PerfGate:
                 "cdna2 perf: gated on the whole session, which xdist splits over workers; run the "
                 "suite without -n (`pytest --cdna2-device=N -p no:xdist`), correctness tiers and perf in one run"
             )
+        stop = []  # what failed
         if self.failed:
-            return f"cdna2 perf: skipped because {len(self.failed)} correctness test(s) failed: {_ids(self.failed)}"
+            stop.append(f"{len(self.failed)} correctness test(s) failed: {_ids(self.failed)}")
         if self.collect_errors:
-            return (f"cdna2 perf: skipped because {len(self.collect_errors)} collection error(s) hid tests: "
-                    f"{_ids(self.collect_errors)}")
+            stop.append(f"{len(self.collect_errors)} collection error(s) hid tests: {_ids(self.collect_errors)}")
+        head = [f"skipped because {'; '.join(stop)}"] if stop else []
         if device == "cpu" and not perf_on_cpu:
-            return "cdna2 perf: the device is the CPU; perf numbers need a GPU (--cdna2-device=N)"
-        why = []
+            head.append("the device is the CPU; perf numbers need a GPU (--cdna2-device=N)")
+        why = []  # what the session did not run
         if self.deselected:
             why.append(f"{self.deselected} correctness test(s) deselected (-k, -m, --lf, --sw)")
         if self.picked:
@@ -209,9 +210,11 @@ class PerfGate:
             no_triton = "isa" in missing and importlib.util.find_spec("triton") is None
             hint = " (the isa tier compiles with Triton, not installed: pip install -e '.[suite]')" if no_triton else ""
             why.append(f"no passing {', '.join(missing)} test in this session{hint}")
-        if not why:
+        if not head and not why:
             return None
-        return (f"cdna2 perf: {'; '.join(why)}: perf runs only after the whole suite passed in the same run "
+        if not why:
+            return f"cdna2 perf: {'; '.join(head)}"
+        return (f"cdna2 perf: {'; '.join(head + why)}: perf runs only after the whole suite passed in the same run "
                 f"(every {', '.join(self.required)} test selected and passing; `pytest --cdna2-device=N`)")
 
 

@@ -100,7 +100,8 @@ def test_a_setup_error_also_gates_perf(pytester):
     )
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
     r.assert_outcomes(errors=1, skipped=1)
-    r.stdout.fnmatch_lines(["*correctness test(s) failed: test_a_setup_error_also_gates_perf.py::test_needs"])
+    r.stdout.fnmatch_lines(["*correctness test(s) failed: test_a_setup_error_also_gates_perf.py::test_needs; no "
+                            "passing weight, kernel, token, determinism, isa test in this session*"])
 
 
 def test_tiers_come_from_markers_not_keywords(pytester):
@@ -116,7 +117,8 @@ def test_tiers_come_from_markers_not_keywords(pytester):
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
     r.assert_outcomes(passed=8, failed=1, skipped=1)
     r.stdout.fnmatch_lines(["*cdna2 perf: skipped because 1 correctness test(s) failed: "
-                            "perf/test_in_perf_folder.py::test_named[[]perf[]]"])
+                            "perf/test_in_perf_folder.py::test_named[[]perf[]]; no passing kernel test in this "
+                            "session*"])
     (pytester.path / "perf" / "test_in_perf_folder.py").write_text(
         "import pytest\n@pytest.mark.parametrize('x', ['kernel'])\ndef test_named(x):\n    pass\n")
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
@@ -165,6 +167,19 @@ def test_correctness_tests_picked_by_node_id_do_not_open_the_gate(pytester):
     perf = pytester.makepyfile(test_bench_only="import pytest\n@pytest.mark.perf\ndef test_alone():\n    pass\n")
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs", name, f"{perf.name}::test_alone")
     r.assert_outcomes(passed=9)
+
+
+def test_the_skip_reason_lists_everything_that_is_missing(pytester):
+    """README: "A skipped perf test's reason lists everything that is missing". `-m perf` on the CPU said only
+    that the device is the CPU, and a failed test hid the deselections: fixing the one named left the next."""
+    pytester.makepyfile(TESTS.format(ok2=False))
+    r = run(pytester, "-rs", "-m", "perf or token")
+    r.assert_outcomes(passed=1, failed=1, skipped=1)
+    r.stdout.fnmatch_lines(["SKIPPED *cdna2 perf: skipped because 1 correctness test(s) failed: "
+                            "*::test_tokens[[]False[]]; the device is the CPU; perf numbers need a GPU "
+                            "(--cdna2-device=N); 5 correctness test(s) deselected (-k, -m, --lf, --sw); no passing "
+                            "weight, kernel, determinism, isa test in this session: perf runs only after the whole "
+                            "suite passed in the same run*"])
 
 
 def test_your_own_engine_needs_no_kernel_or_isa_tier(pytester):
