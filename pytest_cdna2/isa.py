@@ -156,9 +156,11 @@ def audit_kernel(name: str, fn: object, signature: dict[str, str], constexprs: d
 
     from cdna2_engine.ops.triton import COMPILE_OPTIONS
 
+    constexprs = dict(constexprs)
+    stages = constexprs.pop("num_stages", None)  # the launch's pipelining depth (specs.py `_sig`): an option
     signature, constexprs = with_defaults(fn, signature, constexprs)
-    return _compile_and_read(name, lambda: ASTSource(fn, signature, constexprs),
-                             {"num_warps": num_warps, **COMPILE_OPTIONS}, matmul, target)
+    options = {"num_warps": num_warps, **COMPILE_OPTIONS, **({} if stages is None else {"num_stages": stages})}
+    return _compile_and_read(name, lambda: ASTSource(fn, signature, constexprs), options, matmul, target)
 
 
 def _compile_and_read(name: str, source: Callable[[], object], options: dict, matmul: bool,

@@ -47,6 +47,32 @@ def test_no_kernel_is_left_out_of_the_audit():
     assert defined - audited == set(), f"kernels without an ISA spec: {sorted(defined - audited)}"
 
 
+def test_specs_compile_at_the_launches_pipelining_depth():
+    """A dot kernel's LDS grows with its software-pipelining stages: a spec compiled at Triton's default (2 on HIP)
+    while the engine launches it at 3 or 4 under-reports LDS (fp32 x's FP8 tile: 48 KiB at 2 stages, 64 KiB at 3),
+    so a deeper launch would pass the audit and fail on an MI250. Each such spec carries its launch's stages."""
+    from cdna2_engine.ops import triton as tri
+    from cdna2_engine.ops.triton import kernels as k
+
+    launched = {"fp8_matmul": tri.FP8_DOT, "fp8_matmul_scaled_steps": tri.FP8_DOT, "dense_matmul": tri.FP8_DOT,
+                "dense_matmul_parts": tri.FP8_DOT, "moe_gate_up_dot": tri.MOE_DOT_M1, "moe_down_dot": tri.MOE_DOT_M1,
+                "dense_mma": tri.DENSE_MMA, "hc_mix_dot": tri.HC_MIX_DOT, "moe_gate_up_dot_swap": tri.MOE_DOT,
+                "moe_down_dot_swap": tri.MOE_DOT}
+    specs = {s[0]: s[2][1] for s in k.ISA_SPECS + k.ISA_SPECS_SM90}
+    assert {n: specs[n].get("num_stages") for n in launched} == {n: c["num_stages"] for n, c in launched.items()}
+    for cfg in (tri.MOE_DOT_ROCM, tri.HC_MIX_DOT_ROCM):  # ROCm's overrides keep the stages the specs compile
+        assert "num_stages" not in cfg
+
+
+def test_num_stages_reaches_the_compile():
+    """The audit passes a spec's stages to the compiler (more stages, more LDS), not as a kernel argument."""
+    from cdna2_engine.ops.triton import kernels as k
+
+    name, fn, (sig, const), warps, matmul = next(s for s in k.ISA_SPECS if s[0] == "fp8_matmul_scaled_steps")
+    lds = {n: isa.audit_kernel(name, fn, sig, dict(const, num_stages=n), warps, matmul).lds_bytes for n in (2, 3)}
+    assert lds[3] > lds[2] > 0, lds
+
+
 def test_gfx90a_rules(audits):
     print("\n" + isa.report(audits))
     bad = [f"{a.name}: {v}" for a in audits for v in a.violations()]

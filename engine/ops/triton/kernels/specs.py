@@ -23,11 +23,14 @@ from .topk import route_kernel, topk_kernel, topk_sort_kernel
 # kernel at representative V4-Flash tiles; `matmul` says whether the kernel must contain MFMA (v_mfma).
 
 
-def _sig(names: str, types: str, **const: object) -> tuple[dict[str, str], dict[str, object]]:
-    """Signature dict from parallel space-separated lists; constexpr names given as keywords."""
+def _sig(names: str, types: str, num_stages: int | None = None, **const: object) -> tuple[dict[str, str],
+                                                                                        dict[str, object]]:
+    """Signature dict from parallel space-separated lists; constexpr names given as keywords. `num_stages`: the
+    software-pipelining depth the engine launches the kernel with (a compile option, not a constexpr: the audit
+    takes it out of the constexprs), so the LDS the audit reads is the launch's."""
     sig = dict(zip(names.split(), types.split(), strict=True))
     sig.update({k: "constexpr" for k in const})
-    return sig, dict(const)
+    return sig, dict(const) if num_stages is None else dict(const, num_stages=num_stages)
 
 
 _FP8_ARGS = ("x_ptr w_ptr s_ptr y_ptr M R K stride_xm stride_xg stride_wn stride_sn stride_ym stride_yg",
@@ -66,20 +69,20 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=False, UNIFORM=False, UNROLL=1, SPLIT=4, SPLITP=4, LOCAL=16),
      4, False),
     ("fp8_matmul", matmul_kernel,  # FP8_DOT as gfx90a runs a long prefill (64 rows a program)
-     _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8, True),
+     _sig(*_FP8_ARGS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, IEEE=False, num_stages=3), 8, True),
     ("fp8_matmul_scaled_steps", matmul_kernel,  # fp32 x (and fp16): each step's partial scaled, no fold
      _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*bf16 *u8 *u8 *bf16", "*fp32 *u8 *u8 *fp32"), BLOCK_M=64, BLOCK_N=128,
-          BLOCK_K=64, IEEE=True, FOLD=False), 8, True),
+          BLOCK_K=64, IEEE=True, FOLD=False, num_stages=3), 8, True),
     ("dense_matmul", matmul_kernel,  # the compressors' bf16 W at a long prefill
      _sig(_FP8_ARGS[0], _FP8_ARGS[1].replace("*u8 *u8", "*bf16 *bf16"), BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
-          IEEE=False, SCALED=False), 8, True),
+          IEEE=False, SCALED=False, num_stages=3), 8, True),
     ("dense_matmul_parts", matmul_kernel,  # the head at a prefill with every position's logits: fp32 x, bf16 W
      _sig(_FP8_ARGS[0], "*fp32 *bf16 *bf16 *fp32 " + _FP8_ARGS[1].split(" ", 4)[4], BLOCK_M=64, BLOCK_N=128,
-          BLOCK_K=64, IEEE=False, SCALED=False, PARTS=3), 8, True),
+          BLOCK_K=64, IEEE=False, SCALED=False, PARTS=3, num_stages=3), 8, True),
     ("moe_gate_up_dot", moe_gate_up_kernel,
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1), 4, True),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1, num_stages=3), 4, True),
     ("moe_down_dot", moe_down_kernel,
-     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1), 4, True),
+     _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1, num_stages=3), 4, True),
     ("moe_gate_up_stream", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as gfx90a runs it
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True), 2, False),
@@ -147,7 +150,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
           SPLITP=16), 2, False),
     ("dense_mma", dense_mma_kernel,  # the head at 2-16 fp32 rows: 4 bf16 parts a row on MFMA / mma
      _sig("xp_ptr w_ptr y_ptr M N K stride_xc stride_wn stride_ym", "*bf16 *bf16 *fp32 i32 i32 i32 i32 i32 i32",
-          PARTS=4, BLOCK_N=128, BLOCK_C=32, BLOCK_K=64, IEEE=False), 4, True),
+          PARTS=4, BLOCK_N=128, BLOCK_C=32, BLOCK_K=64, IEEE=False, num_stages=4), 4, True),
     ("compress_pool", compress_pool_kernel,
      _sig("kv_ptr gate_ptr rkv_ptr rg_ptr ape_ptr ent_ptr pos_ptr C D stride_kb stride_rb stride_rs stride_eb "
           "stride_es", "*fp32 *fp32 *fp32 *fp32 *fp32 *bf16 *i64 i32 i32 i32 i32 i32 i32 i32",
@@ -207,7 +210,7 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
     ("hc_mix_dot", hc_mix_dot_kernel,  # bf16 streams: fn in three bf16 parts, three MFMA dots (ROCm's tile)
      _sig("h_ptr fn_ptr part_ptr ROWS N D CHUNK MIX stride_h stride_fn stride_p stride_hn",
           "*bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", PW=40, MIXP=32, BLOCK_M=16, BLOCK_K=64,
-          SPLIT_FN=True), 4, True),
+          SPLIT_FN=True, num_stages=3), 4, True),
 ]
 
 # Compiled for sm_90 only: the E4M3 hardware conversion (gfx90a has no FP8 units and takes the bit decode, base.py),
@@ -230,9 +233,9 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(_ATTN[0] + " CHUNK part_ptr ml_ptr", _ATTN[1] + " i32 *fp32 *fp32",
           BLOCK_H=16, BLOCK_L=32, BLOCK_D=512, IEEE=False, SPLIT=True, GATHER=True, SCAN=256), 4, True),
     ("moe_gate_up_dot_swap", moe_gate_up_kernel,  # MOE_DOT on CUDA past 64 pairs an expert: 128 rows, acc^T
-     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True), 4, True),
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=128, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=True, num_stages=3), 4, True),
     ("moe_down_dot_swap", moe_down_kernel,  # MOE_DOT_DOWN's (ROCm runs neither: MOE_DOT_ROCM)
-     _sig(*_MOE_DOWN, BLOCK_M=128, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=True), 8, True),
+     _sig(*_MOE_DOWN, BLOCK_M=128, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=True, num_stages=3), 8, True),
     ("fp8_stream_hw_long", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=8, BLOCK_K=1024, HW=True, UNIFORM=True, UNROLL=1, SPLIT=2, SPLITP=2, LOCAL=16),
      4, False),
