@@ -1001,9 +1001,6 @@ HC_MIX_BLOCK_D = 32  # the mix's D blocks (hc_post_pre's and hc_mix_partial's): 
 # D blocks in turn (STEPS), so 1024 rows are not 131k tiny programs and hc_pre adds 4 splits a row, not 128
 # (decode, up to 32 rows at V4-Flash's 128 mix blocks, is unchanged; bench/NOTES.md run 139)
 HC_POST_PROGRAMS = 4096
-# hc_post_pre at decode sizes: the last hc_post program of a row adds the row's split mix partials (in the same
-# launch, fixed order), so the collapse after it reads one split instead of 128 (bench/NOTES.md run 244)
-HC_POST_SUM = True
 # From min_rows rows (a prefill) the mix's dots with fn leave hc_post_pre's and hc_mix_partial's row programs for
 # hc_mix_dot_kernel, BLOCK_M rows a program sharing each fn tile: a row a program re-read the 1.5 MB fn from the L2
 # for every row (NOTES run 139); those launches keep the per-row Gram matrix. The H200 (bench/probe_hc_prefill.py,
@@ -1130,20 +1127,16 @@ def _hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch
     steps = _pow2(triton_cdiv(blocks, max(1, HC_POST_PROGRAMS // rows)), 1)  # 1 up to HC_POST_PROGRAMS / blocks rows
     blocks = triton_cdiv(blocks, steps)
     fn = y if fn is None else fn.float().contiguous()
-    pw = mix + n * n
-    part = _empty(rows, blocks, pw, dtype=torch.float64, device=h.device) if mix else y
+    part = _empty(rows, blocks, mix + n * n, dtype=torch.float64, device=h.device) if mix else y
     dots = rows < HC_MIX_DOT["min_rows"]
-    summed = bool(mix and dots and HC_POST_SUM and blocks > 1 and rows <= LOCKS)
-    tot = _empty(rows, 1, pw, dtype=torch.float64, device=h.device) if summed else part
     _Launch(h)("hc_post_kernel", (rows, blocks), o2, h3, post.reshape(rows, n).float().contiguous(),
                comb.reshape(rows, n, n).float().contiguous(), y, fn, part, n, d, mix, o2.stride(0), h3.stride(0),
                y.stride(0), fn.stride(0), part.stride(0), h3.stride(1), NP=_pow2(n, 2), BLOCK_D=bd,
-               MIXP=_pow2(max(mix, 1), 1), PW=pw, MIX_NEXT=mix > 0, STEPS=steps, DOTS=dots or not mix,
-               lock_ptr=_locks(h.device, rows) if summed else None, tot_ptr=tot, SUM_SPLITS=summed,
-               SPLITP=_pow2(blocks, 1), PWP=_pow2(pw, 1), num_warps=4)
+               MIXP=_pow2(max(mix, 1), 1), PW=mix + n * n, MIX_NEXT=mix > 0, STEPS=steps, DOTS=dots or not mix,
+               num_warps=4)
     if mix and not dots:
         _hc_mix_dot(y.view(rows, n, d), fn, part, steps * bd)
-    return y, (tot if mix else None)
+    return y, (part if mix else None)
 
 
 def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

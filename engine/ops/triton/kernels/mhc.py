@@ -155,8 +155,7 @@ def hc_pre_kernel(part_ptr, h_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, x_pt
 def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, N, D, MIX, stride_o, stride_h,
                    stride_y, stride_fn, stride_p, stride_hn, NP: tl.constexpr, BLOCK_D: tl.constexpr,
                    MIXP: tl.constexpr = 1, PW: tl.constexpr = 1, MIX_NEXT: tl.constexpr = False,
-                   STEPS: tl.constexpr = 1, DOTS: tl.constexpr = True, lock_ptr=None, tot_ptr=None,
-                   SUM_SPLITS: tl.constexpr = False, SPLITP: tl.constexpr = 1, PWP: tl.constexpr = 1):
+                   STEPS: tl.constexpr = 1, DOTS: tl.constexpr = True):
     """New streams y[k, d] = post_k out[d] + sum_j comb[j, k] h[j, d] (fp32), one row and STEPS D blocks per
     program; h [rows, N, D] (stream stride stride_hn: 0 for the first block's broadcast embedding) and y
     contiguous per row, post [rows, N], comb [rows, N, N] fp32. Every input of a block
@@ -165,10 +164,7 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
     rounded to its dtype (what hc_pre would read): the dots with fn's MIX rows (fp32 sums) and the streams' Gram
     matrix (fp64), at part[row, split, :MIX] and part[row, split, MIX:] (hc_mix_partial_kernel's layout, one
     split per program). STEPS > 1 (a prefill's many rows): fewer, longer programs, and fewer splits for hc_pre.
-    DOTS False (many rows): the Gram matrix alone, hc_mix_dot_kernel writes the dots from y.
-    SUM_SPLITS (with MIX_NEXT and DOTS): the row's last program to arrive (an integer counter at lock_ptr + row,
-    acq_rel, left zero again) adds all splits' partials at once in a fixed tree into tot_ptr [row, PW] (fp64), so
-    the collapse and the Sinkhorn read one split, not one per program (PWP: PW, SPLITP: the splits, powers of two)."""
+    DOTS False (many rows): the Gram matrix alone, hc_mix_dot_kernel writes the dots from y."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     ok = i < N
@@ -202,12 +198,3 @@ def hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, 
         if DOTS:
             tl.store(at + m, tl.sum(tl.sum(dots, axis=2), axis=1), mask=m_ok)
         tl.store(at + MIX + i[:, None] * N + i[None, :], tl.sum(gram, axis=2), mask=ok[:, None] & ok[None, :])
-        if SUM_SPLITS:
-            tl.debug_barrier()  # every thread's partial stores before the release
-            if tl.atomic_add(lock_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                sp = tl.arange(0, SPLITP)
-                w = tl.arange(0, PWP)
-                parts = tl.load(part_ptr + row * stride_p + sp[:, None] * PW + w[None, :],
-                                mask=(sp < tl.num_programs(1))[:, None] & (w < PW)[None, :], other=0.0)
-                tl.store(tot_ptr + row * PW + w, tl.sum(parts, axis=0), mask=w < PW)
-                tl.atomic_xchg(lock_ptr + row, 0)

@@ -199,11 +199,10 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp32 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
           BLOCK_D=256), 4, False),
-    ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre), added in the launch
+    ("hc_post_pre", hc_post_kernel,  # with the next hc_pre's mix partials (op hc_post_pre)
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
-          "stride_p stride_hn lock_ptr tot_ptr", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 "
-          "i32 i32 i32 *i32 *fp64", NP=4, BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True, SUM_SPLITS=True, SPLITP=128,
-          PWP=64), 4, False),
+          "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
+          BLOCK_D=32, MIXP=32, PW=40, MIX_NEXT=True), 4, False),
     ("hc_post_gram", hc_post_kernel,  # a prefill's: the Gram matrix only, hc_mix_dot the dots (HC_MIX_DOT)
      _sig("out_ptr h_ptr post_ptr comb_ptr y_ptr fn_ptr part_ptr N D MIX stride_o stride_h stride_y stride_fn "
           "stride_p stride_hn", "*bf16 *bf16 *fp32 *fp32 *bf16 *fp32 *fp64 i32 i32 i32 i32 i32 i32 i32 i32 i32", NP=4,
