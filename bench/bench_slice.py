@@ -177,20 +177,20 @@ def main() -> None:
 
 
 def launch_settings() -> dict:
-    """A deep copy of cdna2_engine.ops.triton's launch settings (its upper-case dicts and integers): what
-    apply_overrides changes, to be set back after a variant."""
+    """A deep copy of cdna2_engine.ops.triton's launch settings (its upper-case dicts, integers and switches):
+    what apply_overrides changes, to be set back after a variant."""
     import copy
 
     from cdna2_engine.ops import triton as tri
 
     return {k: copy.deepcopy(v) for k, v in vars(tri).items()
-            if k.isupper() and not k.startswith("_") and isinstance(v, (dict, int)) and not isinstance(v, bool)}
+            if k.isupper() and not k.startswith("_") and isinstance(v, (dict, int))}
 
 
 def apply_overrides(items: list[str]) -> dict:
     """TABLE.KEY=VALUE (a Python literal) into cdna2_engine.ops.triton's launch tables (FP8_STREAM, MOE_STREAM,
-    ...), or NAME=VALUE into one of its integer settings (ATTN_CHUNK, ...), for trying a variant without editing
-    the defaults; returns what was set."""
+    ...), or NAME=VALUE into one of its integer or switch settings (ATTN_CHUNK, HC_POST_SUM, ...), for trying a
+    variant without editing the defaults; returns what was set."""
     import ast
 
     from cdna2_engine.ops import triton as tri
@@ -200,14 +200,14 @@ def apply_overrides(items: list[str]) -> dict:
         name, _, value = item.partition("=")
         table, _, key = name.partition(".")
         target = getattr(tri, table, None)
-        if not key and isinstance(target, int) and not isinstance(target, bool) and value:  # a scalar setting
-            setattr(tri, table, ast.literal_eval(value))
+        if not key and isinstance(target, int) and value:  # a scalar setting (bool is an int)
+            setattr(tri, table, type(target)(ast.literal_eval(value)))
             done[name] = getattr(tri, table)
             continue
         if not isinstance(target, dict) or key not in target or not value:
             raise SystemExit(f"--set {item!r}: use TABLE.KEY=VALUE with an existing key of a dict in "
                              f"cdna2_engine.ops.triton (e.g. MOE_STREAM.PREFETCH=True), or NAME=VALUE for one of "
-                             f"its integer settings (e.g. ATTN_CHUNK=1024)")
+                             f"its integer or switch settings (e.g. ATTN_CHUNK=1024, HC_POST_SUM=False)")
         target[key] = done[name] = ast.literal_eval(value)
     return done
 
