@@ -58,10 +58,33 @@ def test_specs_compile_at_the_launches_pipelining_depth():
                 "dense_matmul_parts": tri.FP8_DOT, "moe_gate_up_dot": tri.MOE_DOT_M1, "moe_down_dot": tri.MOE_DOT_M1,
                 "dense_mma": tri.DENSE_MMA, "hc_mix_dot": tri.HC_MIX_DOT, "moe_gate_up_dot_swap": tri.MOE_DOT,
                 "moe_down_dot_swap": tri.MOE_DOT}
+    rocm_up = {**tri.MOE_DOT, **tri.MOE_DOT_ROCM}
+    rocm_down = {**tri.MOE_DOT, **tri.MOE_DOT_DOWN, **tri.MOE_DOT_ROCM}
+    for m in (32, 64):
+        launched.update({f"moe_gate_up_dot_rocm_{m}": rocm_up, f"moe_down_dot_rocm_{m}": rocm_down})
     specs = {s[0]: s[2][1] for s in k.ISA_SPECS + k.ISA_SPECS_SM90}
     assert {n: specs[n].get("num_stages") for n in launched} == {n: c["num_stages"] for n, c in launched.items()}
     for cfg in (tri.MOE_DOT_ROCM, tri.HC_MIX_DOT_ROCM):  # ROCm's overrides keep the stages the specs compile
         assert "num_stages" not in cfg
+
+
+def test_rocm_moe_dot_specs_are_rocms_prefill_tiles():
+    """A prefill's MoE on ROCm groups tokens into blocks of up to MOE_DOT_ROCM's row cap with MOE_DOT's tile and
+    ROCm's overrides: the specs compile those tiles (row blocks above 16 up to the cap), so a tile change there is
+    audited for gfx90a (the launch audit's prefills reach only the smaller blocks)."""
+    from cdna2_engine.ops import triton as tri
+    from cdna2_engine.ops.triton import kernels as k
+
+    specs = {s[0]: s for s in k.ISA_SPECS}
+    for down in (False, True):
+        tile = {**tri.MOE_DOT, **(tri.MOE_DOT_DOWN if down else {}), **tri.MOE_DOT_ROCM}
+        rows = [m for m in (32, 64, 128) if m <= tile["BLOCK_M_MAX"]]
+        assert rows == [32, 64]
+        for m in rows:
+            _, _, (_, const), warps, matmul = specs[f"moe_{'down' if down else 'gate_up'}_dot_rocm_{m}"]
+            assert matmul and warps == tile["num_warps"]
+            assert (const["BLOCK_M"], const["BLOCK_N"], const["GROUPS"], const["SWAP"]) == (
+                m, tile["BLOCK_N"], tile["GROUPS"], tile["SWAP"])
 
 
 def test_num_stages_reaches_the_compile():

@@ -83,6 +83,16 @@ ISA_SPECS: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int
      _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=16, BLOCK_N=32, GROUPS=4, DOT=1, num_stages=3), 4, True),
     ("moe_down_dot", moe_down_kernel,
      _sig(*_MOE_DOWN, BLOCK_M=16, BLOCK_N=64, GROUPS=4, DOT=1, num_stages=3), 4, True),
+    # a prefill's MoE on ROCm: tokens grouped by expert into 32- and 64-row blocks (MOE_DOT with MOE_DOT_ROCM: no
+    # swap, 4 warps, at most 64 rows; 32 rows from about 340 tokens a batch, 64 from about 1366)
+    ("moe_gate_up_dot_rocm_32", moe_gate_up_kernel,
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=32, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=False, num_stages=3), 4, True),
+    ("moe_gate_up_dot_rocm_64", moe_gate_up_kernel,
+     _sig(*_MOE_UP, HAS_LIMIT=True, BLOCK_M=64, BLOCK_N=64, GROUPS=2, DOT=1, SWAP=False, num_stages=3), 4, True),
+    ("moe_down_dot_rocm_32", moe_down_kernel,
+     _sig(*_MOE_DOWN, BLOCK_M=32, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=False, num_stages=3), 4, True),
+    ("moe_down_dot_rocm_64", moe_down_kernel,
+     _sig(*_MOE_DOWN, BLOCK_M=64, BLOCK_N=128, GROUPS=2, DOT=1, SWAP=False, num_stages=3), 4, True),
     ("moe_gate_up_stream", moe_gate_up_kernel,  # the default gate/up tile (MOE_STREAM) as gfx90a runs it
      _sig(_MOE_UP[0], _MOE_UP[1].replace("*u8 *u8 *u8 *u8", "*i32 *u8 *i32 *u8"),
           HAS_LIMIT=True, BLOCK_M=1, BLOCK_N=4, GROUPS=32, STREAM=True), 2, False),
