@@ -189,7 +189,7 @@ def launch_settings() -> dict:
 
 def apply_overrides(items: list[str]) -> dict:
     """TABLE.KEY=VALUE (a Python literal) into cdna2_engine.ops.triton's launch tables (FP8_STREAM, MOE_STREAM,
-    ...), or NAME=VALUE into one of its integer or switch settings (ATTN_CHUNK, HC_POST_SUM, ...), for trying a
+    ...), or NAME=VALUE into one of its integer or switch settings (ATTN_CHUNK, a True/False switch, ...), for trying a
     variant without editing the defaults; returns what was set."""
     import ast
 
@@ -207,7 +207,7 @@ def apply_overrides(items: list[str]) -> dict:
         if not isinstance(target, dict) or key not in target or not value:
             raise SystemExit(f"--set {item!r}: use TABLE.KEY=VALUE with an existing key of a dict in "
                              f"cdna2_engine.ops.triton (e.g. MOE_STREAM.PREFETCH=True), or NAME=VALUE for one of "
-                             f"its integer or switch settings (e.g. ATTN_CHUNK=1024, HC_POST_SUM=False)")
+                             f"its integer or switch settings (e.g. ATTN_CHUNK=1024)")
         target[key] = done[name] = ast.literal_eval(value)
     return done
 

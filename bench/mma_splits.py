@@ -33,6 +33,9 @@ def split_rows(arg: str, table: tuple) -> tuple[tuple, bool, dict]:
     "UP,DOWN[,PDL]" one row for every token count; either may end in ":KEY=VALUE" (e.g. table:TWO_MIN_T=1073741824)."""
     arg, _, item = arg.partition(":")
     key, _, value = item.partition("=")
+    if key and (key not in tri.MOE_MMA or not value.lstrip("-").isdigit()):
+        raise SystemExit(f"{arg}:{item}: KEY=N takes an integer N for one of MOE_MMA's keys "
+                         f"({', '.join(k for k in tri.MOE_MMA if k not in ('on', 'SPLITS'))})")
     extra = {key: int(value)} if key else {}
     if arg == "table":
         return table, True, extra

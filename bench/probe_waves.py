@@ -2,7 +2,7 @@
 
 A launch whose programs do not all fit the SMs at once runs a second, mostly empty wave: wq_b's fused q norm
 took its kernel from 63 to 67 registers, 8 programs of 4 warps an SM became 7, and its 1024 programs took 13.0
-us instead of 11.1 (bench/probe_fp8_norm.py, NOTES run 232). This lists every launch of one eager decode step
+us instead of 11.1 (bench/probe_fp8_norm.py, NOTES runs 234-236). This lists every launch of one eager decode step
 with its grid, warps, registers and shared memory, the programs an SM can hold (registers, threads, shared
 memory and the 32-block limit), and its waves; `near` marks launches just past a whole wave (up to 1.25) or
 that one register-allocation step less (8 a thread) would bring to a whole wave.

@@ -293,8 +293,10 @@ def _picked_by_node_id(session: pytest.Session) -> list[str]:
     """The command-line arguments naming tests (``file.py::test``, ``file.py::Class``) that selected correctness
     tests: pytest collects only the named tests and deselects nothing, so a few picked tests would otherwise pass
     for the suite. A perf test named by node id beside whole correctness files is no such pick; an argument whose
-    file cannot be found (``--pyargs``) counts as one."""
+    file cannot be found (``--pyargs``) counts as one, and one whose file or a folder above it is also given whole
+    does not (pytest then collects the whole file)."""
     config = session.config
+    whole = [(config.invocation_params.dir / a).resolve() for a in config.args if "::" not in a]
     tests: dict[Path, list[list[str]]] = {}
     for i in session.items:
         if not _is_perf(i):
@@ -310,6 +312,8 @@ def _picked_by_node_id(session: pytest.Session) -> list[str]:
             continue
         file, *arg_parts = arg.split("::")
         path = (config.invocation_params.dir / file).resolve()
+        if any(path == w or w in path.parents for w in whole):
+            continue
         if not path.exists() or any(names(arg_parts, parts) for parts in tests.get(path, ())):
             picked.append(arg)
     return picked

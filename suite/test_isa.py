@@ -32,7 +32,7 @@ def test_triton_compiles_these_kernels():
 def test_kernel_compiles_clean(spec, target, request, cdna2_record):
     name, fn, (sig, const), warps, matmul = spec
     audit = audit_kernel(name, fn, sig, const, warps, matmul, target)
-    request.node.user_properties.append(("isa", audit.row()))  # a JUnit property (record_property warns on xunit2)
+    request.node.user_properties.append(("isa", audit.row()))  # JUnit properties as cdna2_record writes them
     print(audit.row())
     if audit.waves_per_simd is not None:
         cdna2_record("waves_per_simd", audit.waves_per_simd, 1, higher_is_better=True, what=f"{name} {audit.target}")

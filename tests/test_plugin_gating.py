@@ -167,6 +167,10 @@ def test_correctness_tests_picked_by_node_id_do_not_open_the_gate(pytester):
     perf = pytester.makepyfile(test_bench_only="import pytest\n@pytest.mark.perf\ndef test_alone():\n    pass\n")
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs", name, f"{perf.name}::test_alone")
     r.assert_outcomes(passed=9)
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", f"{name}::test_weight", name)  # the file whole as well
+    r.assert_outcomes(passed=8)
+    r = run(pytester, "--cdna2-perf-on-cpu", "-rs", f"{name}::test_weight", ".")  # a folder above it
+    r.assert_outcomes(passed=9)
 
 
 def test_the_skip_reason_lists_everything_that_is_missing(pytester):

@@ -207,7 +207,7 @@ def test_moe_experts(dtype, t, k, limit, variant, with_shared, monkeypatch):
 @pytest.mark.no_kernel
 def test_moe_dot_tiles_on_rocm(monkeypatch):
     """ROCm takes MOE_DOT_ROCM over MOE_DOT (no SWAP, 64-row blocks at most, 4-warp down: the forms whose gfx90a
-    ISA holds 2-3 waves); a BLOCK_M_MAX that is not a row block is a ValueError naming it."""
+    ISA holds 1-2 waves); a BLOCK_M_MAX that is not a row block is a ValueError naming it."""
     monkeypatch.setattr(tri, "_rocm", lambda device: True)
     down = tri._moe_dot_tile(torch.device("cpu"), down=True)
     assert (down["SWAP"], down["BLOCK_M_MAX"], down["num_warps"], down["BLOCK_N"]) == (False, 64, 4, 128)

@@ -211,7 +211,7 @@ MIN_PROGRAMS = 264  # two per H200 SM: below this, launches narrow their row til
 MOE_DOT = {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4, "num_stages": 3, "SWAP": True, "BLOCK_M_MAX": 128}
 MOE_DOT_DOWN = {"BLOCK_N": 128, "num_warps": 8}
 # ROCm keeps run 145's forms (untuned there): the ISA tier puts SWAP's 128-row gate/up at 1 wave a SIMD (303 VGPRs +
-# 47 AGPRs) and its 128-row down's LDS at 64 KiB, against 2-3 waves for the 16-64-row forms.
+# 47 AGPRs) and its 128-row down's LDS at 64 KiB, against 1-2 waves for the 16-64-row forms at their 3 stages.
 MOE_DOT_ROCM = {"SWAP": False, "BLOCK_M_MAX": 64, "num_warps": 4}
 MOE_DOT_M1 = {"BLOCK_N": 32, "GROUPS": 4, "num_warps": 4, "num_stages": 3}  # 1 token, when the stream is off
 # Decode (M <= FP8_STREAM_MAX_M) FP8 path: fp8_stream_kernel, a dot-free weight stream. HW: None = E4M3 by the
@@ -225,8 +225,8 @@ FP8_STREAM_MAX_M = 1
 # copy; a run's first timings can be 5-15% slower) at 32 x 256 with 4 warps, which without LOCAL was not better
 # than 64 x 256; wo_a 1.3-1.8 us and the slice's other FP8 shapes 0.05-0.7 us faster. NORM_MAXNREG (CUDA): the
 # registers of a stream with a fused x_norm, whose row-RMS prologue took wq_b's kernel from 63 to 67 registers, 7
-# programs an SM instead of 8, and its 1024 programs into a second wave: at 64, 13.0 -> 11.1 us (plain 10.1-10.5),
-# the slice 0.756 -> 0.751 ms (bench/probe_fp8_norm.py and ab_slice.py, NOTES run 232).
+# programs an SM instead of 8, and its 1024 programs into a second wave: at 64, 13.0 -> 11.1 us (plain 10.1-10.5,
+# bench/probe_fp8_norm.py, NOTES runs 234-236), the slice 0.7621 -> 0.7586 ms (ab_slice.py, run 237).
 FP8_STREAM = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "UNROLL": 1, "HW": None,
               "PREFETCH": False, "LOCAL": 16, "NORM_MAXNREG": 64}
 # Rows of K >= min_k take narrow row tiles that read 1 KB of each row a step: a one-token stream reads DRAM faster
@@ -1010,7 +1010,7 @@ HC_POST_PROGRAMS = 4096
 # and fp32 streams take an IEEE fp32 dot.
 HC_MIX_DOT = {"min_rows": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
               "split": (torch.bfloat16,)}
-HC_MIX_DOT_ROCM = {"BLOCK_K": 64}  # untuned there; the ISA tier: 157 VGPRs (3 waves a SIMD) against 272 + 16 AGPRs
+HC_MIX_DOT_ROCM = {"BLOCK_K": 64}  # untuned there; the ISA tier at 3 stages: 171-183 VGPRs (2 waves a SIMD)
 
 
 def _streams(h: torch.Tensor) -> torch.Tensor:
