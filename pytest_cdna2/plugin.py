@@ -344,7 +344,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     elif unused:
         terminalreporter.write_line(
             "--cdna2-regen-goldens rewrote nothing: no selected test reads the goldens (select the token tier, "
-            "-m token); the run fails",
+            "-m token, and no -k that drops its tests: with no store yet, their one id is '(goldens to rebuild)'); "
+            "the run fails",
             red=True,
         )
 
