@@ -46,6 +46,9 @@ def _import_engine():
 QWeight, ref, tri = _import_engine()
 SMALL = "--small" in sys.argv  # CPU smoke mode: the interpreter, tiny shapes, fp16 (it cannot run bf16)
 DEV = "cpu" if SMALL else "cuda"
+if not SMALL and not torch.cuda.is_available():  # this module and the probes built on it time GPU kernels
+    raise SystemExit(f"{os.path.basename(sys.argv[0])} needs a GPU (CUDA or ROCm); --small, where the script "
+                     "takes it, runs a CPU smoke test in Triton's interpreter")
 GEN = torch.Generator(device=DEV)
 ACT = torch.float16 if SMALL else torch.bfloat16  # activation dtype
 
