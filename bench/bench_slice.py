@@ -109,8 +109,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override a triton launch table entry, e.g. MOE_STREAM.PREFETCH=True (repeatable)")
     a = ap.parse_args()
+    if not a.small and not torch.cuda.is_available():  # the V4-Flash slice's 16 GB of weights on the CPU
+        raise SystemExit("bench_slice.py needs a GPU (CUDA or ROCm) at V4-Flash shapes; --small runs the CPU smoke "
+                         "test in Triton's interpreter")
     overrides = apply_overrides(a.set)
-    device = torch.device("cpu" if a.small or not torch.cuda.is_available() else "cuda")
+    device = torch.device("cpu" if a.small else "cuda")
     cfg = Config(**(SMALL if a.small else FLASH))
     weights, total, floor = random_packed(cfg, device)
     backend = "triton"  # on the CPU (--small): Triton's interpreter
