@@ -13,6 +13,8 @@ KEYS = {"MOE_STREAM": ("mxfp4 gate_up+down M=1", ("BLOCK_N", "GROUPS", "num_warp
 
 
 def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python bench/best_sets.py RESULTS.json (a bench_kernels.py --stream-sweep run's)")
     table = json.load(open(sys.argv[1]))["stream_sweep"]
     out = []
     for name, (kind, keys) in KEYS.items():

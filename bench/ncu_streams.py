@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--tokens", type=int, default=1, help="the MoE's tokens (random routing, seeded)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_streams.py needs a GPU (CUDA or ROCm): run it on the GPU machine")
     apply_overrides(args.set)
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
     e, d, inter = 256, 4096, 2048

@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="*", default=[256, 1024])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_prefill.py needs a GPU (CUDA or ROCm): run it on the GPU machine")
     os.makedirs(a.out, exist_ok=True)  # results are written at the end: the folder must exist then
     cfg = Config(**FLASH)
     weights, _, _ = random_packed(cfg, torch.device("cuda"))

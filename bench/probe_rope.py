@@ -16,6 +16,8 @@ from cdna2_engine.ops import triton as tri
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_rope.py needs a GPU (CUDA or ROCm): run it on the GPU machine")
     torch.manual_seed(0)
     x = torch.randn(1, 256, 64, 512, device="cuda", dtype=torch.bfloat16)
     ang = torch.rand(1, 256, 32, device="cuda", dtype=torch.float64) * 6
