@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -621,7 +622,8 @@ def other_bench(results: dict, copy: float, sweep: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", help="results folder (default: bench/results on a GPU; with --small a temporary "
+                                  "folder, so a smoke run never replaces the committed H200 numbers)")
     ap.add_argument("--sweep", action="store_true", help="time several tile configs and keep the best")
     ap.add_argument("--stream-sweep", action="store_true",
                     help="only the one-token MXFP4/FP8 streams: defaults, PREFETCH, PRMT and nearby tiles (after the "
@@ -629,6 +631,8 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: interpreter, tiny shapes (read at import)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(Path(tempfile.gettempdir()) / "cdna2-bench-small" if SMALL else ROOT / "bench" / "results")
     import triton
 
     GEN.manual_seed(20261129)
