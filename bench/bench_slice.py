@@ -204,7 +204,7 @@ def apply_overrides(items: list[str]) -> dict:
         table, _, key = name.partition(".")
         target = getattr(tri, table, None)
         if not key and isinstance(target, int) and value:  # a scalar setting (bool is an int)
-            setattr(tri, table, type(target)(ast.literal_eval(value)))
+            setattr(tri, table, ast.literal_eval(value))
             done[name] = getattr(tri, table)
             continue
         if not isinstance(target, dict) or key not in target or not value:

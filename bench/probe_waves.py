@@ -115,8 +115,6 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--moe-tokens", type=int, nargs="*", help="the routed MoE alone at these token counts")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{os.path.basename(__file__)} needs a GPU (CUDA or ROCm): run it on the GPU machine")
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     res = {"device": props.name, "sms": props.multi_processor_count}
