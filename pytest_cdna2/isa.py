@@ -8,16 +8,18 @@ the LDS bytes; a bf16/fp16 `tl.dot` shows up as `v_mfma_*`. The kernels decode E
 For sm_90 the PTX/cubin are produced and `metadata.shared` is the shared-memory bytes (DESIGN.md
 section 7).
 
-Occupancy estimate on gfx90a, from two limits counted in whole workgroups (a CU takes a workgroup's
+Occupancy estimate on gfx90a, from three limits counted in whole workgroups (a CU takes a workgroup's
 num_warps waves all at once, spread over its 4 SIMDs; HIP's own hipOccupancyMaxActiveBlocksPerMultiprocessor
 divides the CU's register-limited waves by the workgroup's the same way). Registers (CDNA2 ISA guide: each SIMD
 has 512 unified 32-bit registers per lane, shared by a wave's VGPRs and AGPRs, allocated in granules of 8, at
 most 8 waves per SIMD; on gfx90a the `.vgpr_count` the compiler writes is already the unified total, arch VGPRs
 aligned plus AGPRs: a kernel using 256 + 256 reports 512). LDS (64 KiB per CU, allocated to a workgroup in
-blocks of 128 dwords, LLVM AMDGPUUsage's LDS_SIZE granularity for GFX7-GFX10, which includes gfx90a):
+blocks of 128 dwords, LLVM AMDGPUUsage's LDS_SIZE granularity for GFX7-GFX10, which includes gfx90a). SGPRs
+(LLVM's getOccupancyWithNumSGPRs for GFX8-GFX9: at most 100 allow 8 waves, more allow 7; `.sgpr_count` already
+counts VCC, FLAT_SCRATCH and XNACK_MASK, AMDGPUUsage):
 
     regs      = ceil(vgpr_count / 8) * 8
-    by_regs   = min(8, floor(512 / regs))                              (waves a SIMD)
+    by_regs   = min(8, floor(512 / regs), 8 if sgpr_count <= 100 else 7)   (waves a SIMD)
     groups    = floor(4 * by_regs / num_warps)                         (workgroups a CU by registers)
     groups    = min(groups, floor(65536 / (ceil(lds_bytes / 512) * 512)))   (and by LDS; no LDS: no limit)
     waves     = ceil(groups * num_warps / 4)                           (the busiest SIMD; 0: cannot launch)
@@ -44,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 LDS_LIMIT = 65536
+SGPRS_FOR_8_WAVES = 100  # gfx90a (GFX9): more SGPRs than this leave 7 waves a SIMD (LLVM getOccupancyWithNumSGPRs)
 _TILES = ("the launch's tile table (engine/ops/triton/__init__.py) or the spec (engine/ops/triton/kernels/specs.py) "
           "that set it")
 GFX90A = ("hip", "gfx90a", 64)
@@ -107,10 +110,12 @@ class KernelAudit:
                 f"waves/SIMD={self.waves_per_simd} denorm32/16={self.denorm_f32}/{self.denorm_f16}")
 
 
-def occupancy_gfx90a(vgpr_count: int, lds_bytes: int = 0, num_warps: int = 4) -> int:
-    """Waves per SIMD on gfx90a allowed by registers and by LDS (formula in the module docstring)."""
+def occupancy_gfx90a(vgpr_count: int, lds_bytes: int = 0, num_warps: int = 4, sgpr_count: int = 0) -> int:
+    """Waves per SIMD on gfx90a allowed by vector and scalar registers and by LDS (formula in the module
+    docstring)."""
     regs = -(-vgpr_count // 8) * 8
-    groups = 4 * min(8, 512 // max(regs, 8)) // num_warps  # whole workgroups a CU by registers
+    by_regs = min(8, 512 // max(regs, 8), 8 if sgpr_count <= SGPRS_FOR_8_WAVES else 7)
+    groups = 4 * by_regs // num_warps  # whole workgroups a CU by registers
     if lds_bytes > 0:
         groups = min(groups, LDS_LIMIT // (-(-lds_bytes // 512) * 512))
     return -(-groups * num_warps // 4)
@@ -191,7 +196,8 @@ def _compile_and_read(name: str, source: Callable[[], object], options: dict, ma
         a.extra["vgpr_spill_count"] = _meta(text, "vgpr_spill_count")
         a.extra["fp32_fma"] = bool(re.search(r"\bv_(fma|fmac|pk_fma)_f32", text))  # also v_fmac_f32_e32
         if a.vgpr is not None:
-            a.waves_per_simd = occupancy_gfx90a(a.vgpr, a.lds_bytes or 0, int(options.get("num_warps", 4)))
+            a.waves_per_simd = occupancy_gfx90a(a.vgpr, a.lds_bytes or 0, int(options.get("num_warps", 4)),
+                                                a.sgpr or 0)
     else:
         ptx = k.asm.get("ptx", "")
         a.has_mfma = "mma" in ptx

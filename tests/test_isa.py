@@ -129,6 +129,15 @@ def test_occupancy_lds_limit():
     assert isa.occupancy_gfx90a(64, lds_bytes=0, num_warps=8) == 8  # no LDS: no limit from it
 
 
+def test_occupancy_sgpr_limit():
+    """GFX9's scalar register file: up to 100 SGPRs (VCC, FLAT_SCRATCH, XNACK included, as `.sgpr_count` counts
+    them) leave gfx90a's 8 waves a SIMD, 101 or more 7 (LLVM's getOccupancyWithNumSGPRs; values by hand)."""
+    assert isa.occupancy_gfx90a(64, sgpr_count=100) == 8
+    assert isa.occupancy_gfx90a(64, sgpr_count=101) == 7
+    assert isa.occupancy_gfx90a(64, num_warps=8, sgpr_count=101) == 6  # 28 slots a CU hold three 8-wave groups
+    assert isa.occupancy_gfx90a(96, sgpr_count=101) == 5  # the VGPRs are the lower limit
+
+
 def test_occupancy_counts_whole_workgroups():
     """A CU takes a workgroup's waves all at once (as HIP's occupancy API counts them: the CU's register-limited
     waves divided by the workgroup's), so an 8-warp kernel loses the SIMD slots that cannot hold a whole group
