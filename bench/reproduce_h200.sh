@@ -19,6 +19,7 @@ keys = ("slice_decode_ms_per_token", "slice_floor_ms_per_token", "hf_slice_decod
         "moe_decode_frac", "moe_decode_us_per_token", "slice_eager_decode_ms_per_token", "vs_reference_f32_rel_max",
         "vs_reference_bf16_forced_kl_max", "vs_float64_f32_triton_rel_max", "vs_float64_f32_reference_rel_max")
 kernels.update({k: sl[k] for k in keys}, slice_copy_TBps=sl["copy_TBps"], command="bash bench/reproduce_h200.sh")
+kernels.update({k: sl[k] for k in sl if k.startswith(("hf_grouped_mm", "speedup_vs_hf_grouped"))})  # transformers' default experts
 try:  # fraction of copy a read-only launch of N MB reaches (--slice-only merges the committed probe_read.json)
     best = json.load(open("bench/results/probe_read.json"))["best"]
     kernels["read_ceiling_frac_by_MB"] = {str(r["MB"]): r["frac"] for r in best}
