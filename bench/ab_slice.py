@@ -109,6 +109,13 @@ def main() -> None:
                         | ({"moe_median_us": statistics.median(moe[v]), "moe_rounds_us": moe[v]} if a.moe else {})
                         for v, t in times.items()}}
     print(json.dumps(res, indent=1))
+    base = times[a.variant[0]]  # rounds are interleaved: compare each round with the first variant's same round
+    for v, t in times.items():
+        faster = sum(x < y for x, y in zip(t, base, strict=True))
+        res["variants"][v or "(defaults)"]["faster_than_first_rounds"] = faster
+        print(f"{v or '(defaults)':60s} median {statistics.median(t) * 1e3:7.1f} us, rounds {min(t) * 1e3:.1f}-"
+              f"{max(t) * 1e3:.1f}, {(statistics.median(t) - statistics.median(base)) * 1e3:+6.1f} us against the "
+              f"first variant, faster than it in {faster} of {len(t)} rounds")
     for path in (a.out, os.path.join(os.environ["OUT"], "ab_slice.json") if os.environ.get("OUT") else None):
         if path:
             with open(path, "w") as f:
