@@ -54,6 +54,7 @@ class Settings:
 
 
 # the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
+ENGINE_METHODS = ("forward", "generate")  # what the tiers call on any engine (the README's Model API)
 _SOURCE_ONLY = "only with a source checkout (git clone, then `pip install -e .`), not in the wheel"
 SETTINGS = pytest.StashKey[Settings]()
 REGENERATED = pytest.StashKey[str]()
@@ -81,6 +82,8 @@ def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., 
         mod = importlib.import_module(module)
     except ImportError as e:
         raise LookupError(f"{option}={spec}: cannot import {module!r}: {e}") from None
+    except Exception as e:  # the module itself fails (SyntaxError, an error raised at import): its author's to fix
+        raise LookupError(f"{option}={spec}: importing {module!r} raised {type(e).__name__}: {e}") from None
     obj: Any = mod
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -207,12 +210,18 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
     except LookupError as e:
         _stop(request, f"cdna2: {e}")
     try:
-        return factory(str(s.model), device=s.device, backend=s.backend, **engine_kwargs(factory, s))
+        model = factory(str(s.model), device=s.device, backend=s.backend, **engine_kwargs(factory, s))
     except Exception as e:  # keep the traceback for the engine's author, but stop: nothing can pass now
-        if s.engine == "bundled" and isinstance(e, ValueError):  # CheckpointError, ConfigError: one line that
-            _stop(request, f"cdna2: {e}")  # names the file and the fix
+        ours = s.engine == "bundled" or s.engine.startswith("cdna2_engine.")  # the bundled engine or its faults
+        if ours and isinstance(e, ValueError):  # CheckpointError, ConfigError, a bad CDNA2_FAULT: one line that
+            _stop(request, f"cdna2: {e}")  # names the file or setting and the fix
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(model, m, None))]
+    if missing:
+        _stop(request, f"cdna2: --cdna2-engine={s.engine} returned {type(model).__name__}, not a model: it has no "
+                       f"{', '.join(missing)} (the README's Model API)")
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ perf tests are skipped there with a reason saying to run them without ``-n``.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,7 +138,12 @@ def resolve_settings(config: pytest.Config) -> Settings:
         if not m or _raw(config, m.group(1))[1] != "ini":
             raise
         rest = str(e)[m.end():]  # "=VALUE: why", ": why" or " needs ..."
-        where = "ini key cdna2_" + m.group(1).replace("-", "_")
+        key = "cdna2_" + m.group(1).replace("-", "_")
+        overrides = [o for o in (config.getoption("override_ini", None) or []) if o.split("=", 1)[0].strip() == key]
+        if overrides:  # `-o key=value` on the command line, not the ini file
+            why = rest.partition(": ")[2] if rest.startswith("=") else rest.removeprefix(": ")
+            raise pytest.UsageError(f"-o {overrides[-1]}: {why}") from None
+        where = "ini key " + key
         if rest.startswith("="):
             value, _, why = rest[1:].partition(": ")
             where, rest = f"{where} = {value}", f": {why}"
@@ -189,6 +195,13 @@ def _resolve(config: pytest.Config) -> Settings:
     if model_v is not None and engine == "bundled" and not (model / "config.json").is_file():
         raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "
                                 "folder holding config.json and the *.safetensors (official DeepSeek-V4 layout)")
+
+    from cdna2_engine.ops import OP_NAMES, split_names  # the kernel tier runs the bundled ops whatever the engine
+
+    unknown = sorted(set(split_names(os.environ.get("CDNA2_REFERENCE_OPS", ""))) - set(OP_NAMES))
+    if unknown:
+        raise pytest.UsageError(f"env CDNA2_REFERENCE_OPS: unknown op(s) {unknown}: name ops from {list(OP_NAMES)} "
+                                "(comma-separated), or unset it")
 
     dtype = str(_opt(config, "dtype")[0] or ("float32" if device == "cpu" else "bfloat16"))
     if dtype not in DTYPES:

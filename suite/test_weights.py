@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from cdna2_engine import formats
+from cdna2_engine.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.weight
 
@@ -21,6 +22,8 @@ def _packed(model_dir: Path):
     index = model_dir / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
         sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files: point --cdna2-model at a checkpoint folder")
     for name in files:
         with safe_open(str(model_dir / name), "pt") as f:
             keys = set(f.keys())
@@ -30,8 +33,20 @@ def _packed(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def packed(cdna2_settings):
-    items = list(_packed(cdna2_settings.model))
+def packed(cdna2_settings, request):
+    """The checkpoint's packed tensors. First the whole checkpoint goes through the bundled engine's reader
+    (official layout: every key, shape, dtype, scale grid and finite value against config.json), so a broken
+    checkpoint stops the run in one line here, as it would when loaded, instead of passing the decode checks
+    on what is left of it."""
+    model_dir = cdna2_settings.model
+    try:
+        if (model_dir / "config.json").is_file():  # a checkpoint in the official layout (not a custom engine's own)
+            read_checkpoint(model_dir)
+        items = list(_packed(model_dir))
+    except (ValueError, OSError, SafetensorError) as e:  # CheckpointError, ConfigError, a corrupt index or shard
+        message = f"cdna2: weight tier: {e}"
+        request.session.shouldstop = message
+        raise pytest.fail.Exception(message, pytrace=False) from None  # raised in `except`: no chained repeat
     if not items:
         pytest.skip(f"{cdna2_settings.model} holds no FP8/MXFP4 tensors with scales")
     return items

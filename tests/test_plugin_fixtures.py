@@ -167,6 +167,51 @@ def test_unimportable_engine_factory(pytester):
     assert "Traceback" not in r.stdout.str() and "TypeError" not in r.stdout.str()
 
 
+def test_an_engine_module_that_fails_at_import_stops_the_run_in_one_line(pytester):
+    """Not only a missing module: one that raises at import (a syntax error, an error of its own) is its author's
+    to fix, named in one line, and stops the run instead of failing every test with the same traceback."""
+    write_fake_model(pytester.path / "m")
+    pytester.makepyfile(broken_syntax="def f(:\n", broken_raise="raise RuntimeError('no GPU driver')\n")
+    pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")
+    for module, why in (("broken_syntax", "SyntaxError: *"), ("broken_raise", "RuntimeError: no GPU driver")):
+        r = run(pytester, f"--cdna2-engine={module}:f", "--cdna2-model=m", "-p", "no:cacheprovider")
+        r.assert_outcomes(errors=1)
+        r.stdout.fnmatch_lines([f"*Interrupted: cdna2: --cdna2-engine={module}:f: importing '{module}' raised {why}*"])
+        assert "Traceback" not in r.stdout.str()
+
+
+def test_a_factory_that_returns_no_model_stops_the_run_in_one_line(pytester):
+    """A factory returning None (a forgotten return) or an object without the Model API fails once, naming what
+    it returned and what is missing, instead of an AttributeError in every test."""
+    write_fake_model(pytester.path / "m")
+    pytester.makepyfile(factories="def none(path, device='cpu', backend='reference'):\n    return None\n"
+                                  "def half(path, device='cpu', backend='reference'):\n"
+                                  "    class M:\n        def forward(self, ids): return ids\n    return M()\n")
+    pytester.makepyfile("def test_x(cdna2_engine): pass\ndef test_y(cdna2_engine): pass")
+    r = run(pytester, "--cdna2-engine=factories:none", "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: --cdna2-engine=factories:none returned NoneType, not a model: it "
+                            "has no forward, generate (the README's Model API)*"])
+    r = run(pytester, "--cdna2-engine=factories:half", "--cdna2-model=m")
+    r.stdout.fnmatch_lines(["*returned M, not a model: it has no generate (the README's Model API)*"])
+
+
+@pytest.mark.parametrize("fault", [None, "bogus"])
+def test_the_bundled_fault_engine_refuses_a_bad_fault_in_one_line(pytester, monkeypatch, fault):
+    """cdna2_engine.faults:load_faulty is the bundled engine's: its ValueError (CDNA2_FAULT unset or unknown)
+    names the fix, so it is one line, as with the bundled engine itself."""
+    if fault is None:
+        monkeypatch.delenv("CDNA2_FAULT", raising=False)
+    else:
+        monkeypatch.setenv("CDNA2_FAULT", fault)
+    pytester.makepyfile("def test_x(cdna2_engine): pass")
+    r = run(pytester, "--cdna2-engine=cdna2_engine.faults:load_faulty")
+    r.assert_outcomes(errors=1)
+    want = "CDNA2_FAULT is not set: name the fault" if fault is None else "unknown fault 'bogus': choose from"
+    r.stdout.fnmatch_lines([f"*Interrupted: cdna2: {want}*"])
+    assert "Traceback" not in r.stdout.str()
+
+
 def test_a_corrupt_checkpoint_for_the_bundled_engine_is_one_line(pytester):
     """The bundled engine's CheckpointError already names the file and the fix: no traceback, no chained repeat."""
     (pytester.path / "m").mkdir()

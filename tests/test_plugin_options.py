@@ -132,6 +132,8 @@ def test_defaults_point_at_the_bundled_model(pytester):
         ([], "cdna2_perf_on_cpu = maybe", "*ini key cdna2_perf_on_cpu: *'maybe'*; expected true or false"),
         (["--cdna2-model=t.toml"], "", "*--cdna2-model: */t.toml is not a folder: pass the checkpoint directory*"),
         (["--cdna2-tolerance=."], "", "*--cdna2-tolerance: *: cannot read the tolerance profile: Is a directory"),
+        (["-o", "cdna2_backend=Triton"], "", "-o cdna2_backend=Triton: expected one of reference, triton"),
+        (["-o", "cdna2_model="], "", "-o cdna2_model=: empty: expected a checkpoint folder (DIR)*"),
     ],
 )
 def test_bad_values_are_usage_errors(pytester, args, ini, message):
@@ -143,6 +145,29 @@ def test_bad_values_are_usage_errors(pytester, args, ini, message):
     r = pytester.runpytest_inprocess(*FAST, *args) if "cdna2_device" in ini else run(pytester, *args)
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+def test_an_override_is_named_as_typed_not_blamed_on_the_ini_file(pytester):
+    """`-o key=value` is the command line: the error quotes it, not an ini file that has no such key."""
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile("def test_x(): pass")
+    r = pytester.runpytest_inprocess(*FAST, "-o", "cdna2_device=7")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: -o cdna2_device=7: GPU 7 does not exist (available: cpu*"])
+    assert ".ini" not in r.stderr.str()
+
+
+@pytest.mark.parametrize("value", ["bogus", "linear,atention"])
+def test_unknown_reference_ops_are_a_usage_error(pytester, monkeypatch, value):
+    """CDNA2_REFERENCE_OPS names ops of the bundled engine, which the kernel tier runs whatever engine is under
+    test: a typo stops the run before collection in one line (it raised in every kernel test's setup)."""
+    monkeypatch.setenv("CDNA2_REFERENCE_OPS", value)
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    bad = ["bogus"] if value == "bogus" else ["atention"]
+    assert f"ERROR: env CDNA2_REFERENCE_OPS: unknown op(s) {bad}: name ops from ['linear', " in r.stderr.str()
+    assert "Traceback" not in r.stderr.str() + r.stdout.str()
 
 
 def test_regen_may_target_a_new_goldens_folder_but_a_run_that_rewrote_nothing_fails(pytester):

@@ -63,6 +63,39 @@ def test_flipped_golden_byte_stops_the_run(pytester, made, tmp_path):
     r.stdout.fnmatch_lines(["*teacher.safetensors*sha256*"])
 
 
+@pytest.mark.parametrize("damage", ["truncated", "scale removed", "no files"])
+def test_a_broken_checkpoint_stops_the_weight_tier_in_one_line(pytester, made, tmp_path, damage):
+    """The weight tier alone (`-m weight`) reads the checkpoint through the bundled reader first: a truncated
+    shard, an FP8 weight without its scale (which the decode checks would simply not visit) or a folder with no
+    safetensors stop the run with the reader's one line, not a traceback or a green run."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model, goldens = made
+    bad = tmp_path / "model"
+    shutil.copytree(model, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        want = "*unreadable safetensors*: the file is truncated or corrupt*"
+    elif damage == "scale removed":
+        tensors = load_file(shard)
+        key = next(k for k in sorted(tensors) if k.endswith("wq_b.scale"))
+        del tensors[key]
+        save_file(tensors, shard, metadata={"format": "pt"})
+        want = f"*{key.removesuffix('.scale')}.weight is torch.float8_e4m3fn but has no .scale: add its scale*"
+    else:
+        for f in bad.glob("*.safetensors"):
+            f.unlink()
+        want = "*no *.safetensors files*"
+    r = run_suite(pytester, bad, goldens, "-m", "weight")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines([f"*Interrupted: cdna2: weight tier: {want}"])
+    assert "Traceback" not in r.stdout.str() and "During handling" not in r.stdout.str()
+    assert r.parseoutcomes().get("passed", 0) == 0
+
+
 def test_expert_scale_off_by_one_fails_and_names_the_layer(pytester, made):
     model, goldens = made
     r = run_suite(pytester, model, goldens, "-m", "token", "-k", "teacher",
