@@ -7,6 +7,7 @@ folders, bad arguments, an existing store without ``--regen``), always with one 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,6 +118,8 @@ def _one_device(spec: str) -> str:
         try:
             torch.device(spec)
         except (RuntimeError, ValueError):
+            raise _Fail(str(e)) from None
+        if re.fullmatch(r"(cuda:)?\d+", spec.strip()):  # --cdna2-device's own form (cuda:7 without a GPU 7): its error
             raise _Fail(str(e)) from None
         return spec
     if len(found) != 1:

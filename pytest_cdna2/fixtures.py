@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class Settings:
 
 
 # the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
+ENGINE_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")  # module:factory, as --cdna2-engine takes it
 ENGINE_METHODS = ("forward", "generate")  # what the tiers call on any engine (the README's Model API)
 _SOURCE_ONLY = "only with a source checkout (git clone, then `pip install -e .`), not in the wheel"
 SETTINGS = pytest.StashKey[Settings]()
@@ -77,6 +79,8 @@ def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., 
         import cdna2_engine as bundled
 
         return bundled.load_model
+    if not ENGINE_SPEC.fullmatch(spec):
+        raise LookupError(f"{option}={spec}: expected bundled or module:factory")
     module, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(module)

@@ -432,7 +432,8 @@ class GoldenStore:
 
             if key not in self.keys(file):
                 raise GoldenError(
-                    f"{self.path / file}: no tensor {key!r}; the goldens predate this check: {_BUILD_HINT}"
+                    f"{self.path / file}: no tensor {key!r}: the store is incomplete or older than this "
+                    f"check: {_BUILD_HINT}"
                 )
             with _readable(self._file(file)):
                 with safe_open(self._file(file), framework="pt") as f:
@@ -778,6 +779,10 @@ def build_goldens(
         for i, text in enumerate(tqdm(prompts, desc="goldens", unit="prompt", disable=not progress)):
             name = f"p{i:0{max(2, width)}d}"
             ids = encode_prompt(text, vocab)
+            limit = getattr(cfg, "max_position_embeddings", None)
+            if limit is not None and len(ids) + per_prompt[i] > int(limit):
+                raise ValueError(f"prompt {name}: {len(ids)} tokens + {per_prompt[i]} steps exceed the model's "
+                                 f"max_position_embeddings {int(limit)}: lower the steps (--steps)")
             gen = model.generate(ids[None].to(device), per_prompt[i])
             toks = gen.tokens[0].detach().cpu().long()
             seq = torch.cat([ids, toks[:-1]])

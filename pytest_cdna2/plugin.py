@@ -24,6 +24,7 @@ import pytest
 
 from pytest_cdna2 import devices
 from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by being names of this module)
+    ENGINE_SPEC,
     REGENERATED,
     SETTINGS,
     Settings,
@@ -190,7 +191,7 @@ def _resolve(config: pytest.Config) -> Settings:
     if backend not in BACKENDS:
         raise pytest.UsageError(f"--cdna2-backend={backend}: expected one of {', '.join(BACKENDS)}")
     engine = str(_opt(config, "engine")[0] or "bundled")
-    if engine != "bundled" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", engine):
+    if engine != "bundled" and not ENGINE_SPEC.fullmatch(engine):
         raise pytest.UsageError(f"--cdna2-engine={engine}: expected bundled or module:factory")
     if model_v is not None and engine == "bundled" and not (model / "config.json").is_file():
         raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "

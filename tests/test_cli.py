@@ -140,3 +140,25 @@ def test_bisect_device_takes_the_forms_of_cdna2_device(monkeypatch, tmp_path, ca
     for spec in ("mps", "xpu:0", "cuda"):  # another accelerator's torch name, for a user engine: as torch reads it
         assert main(argv + [spec]) == 0
     assert seen[-3:] == ["mps", "xpu:0", "cuda"]
+    for spec in ("7", "cuda:7"):  # --cdna2-device's forms keep its message, which lists the devices
+        assert main(argv + [spec]) == 2
+        assert f"--device={spec}: GPU 7 does not exist (available: cpu; GPUs: " in _err(capsys)
+
+
+def test_bisect_engine_takes_the_form_of_cdna2_engine(tmp_path, capsys):
+    argv = ["bisect", "--model", str(tmp_path), "--goldens", str(tmp_path), "--device", "cpu", "--engine"]
+    for spec in ("os", "os:", ":f"):
+        assert main(argv + [spec]) == 2
+        assert f"--engine={spec}: expected bundled or module:factory" in _err(capsys)
+
+
+def test_goldens_build_refuses_steps_past_the_model_positions_before_writing(tmp_path, capsys):
+    out = tmp_path / "g"
+    from pytest_cdna2.plugin import DEFAULT_MODEL
+
+    argv = ["goldens", "build", "--model", str(DEFAULT_MODEL), "--out", str(out), "--steps", "99999", "--quiet"]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "prompt p00: " in err and " tokens + 99999 steps exceed the model's max_position_embeddings 4096: lower " \
+        "the steps (--steps)" in err
+    assert not out.exists()

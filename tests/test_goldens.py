@@ -95,7 +95,7 @@ def test_missing_things_name_the_thing_and_the_fix(tmp_path):
         GoldenStore.open(tmp_path / "empty")
     out = _write(tmp_path / "g")
     store = GoldenStore.open(out)
-    with pytest.raises(GoldenError, match=r"no tensor 'p09.logits'"):
+    with pytest.raises(GoldenError, match=r"no tensor 'p09.logits': the store is incomplete or older than this check"):
         store.teacher_logits("p09")
     with pytest.raises(GoldenError, match=r"no file 'taps.safetensors' in manifest.json"):
         store.keys("taps.safetensors")
