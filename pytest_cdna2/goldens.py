@@ -215,7 +215,7 @@ class GoldenStore:
         if expected_model_sha256 is not None and have != expected_model_sha256:
             raise GoldenError(
                 f"goldens at {path} are for model sha256 {have}, but the model under test has sha256 "
-                f"{expected_model_sha256}: pass --cdna2-goldens for this model, or {_BUILD_HINT}"
+                f"{expected_model_sha256}: use the goldens built for this model, or {_BUILD_HINT}"
             )
         store = cls(path, manifest)
         store.verify()
@@ -541,8 +541,11 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise GoldenError(f"{mpath}: not valid JSON ({e}); {_BUILD_HINT}") from None
     except OSError as e:
         raise GoldenError(f"{mpath}: cannot read it ({e.strerror or e})") from None
+    if not isinstance(manifest, dict):
+        raise GoldenError(f"{mpath}: a JSON {type(manifest).__name__}, not a golden manifest (an object with format, "
+                          f"model_sha256, prompts, files); {_BUILD_HINT}")
     for key in ("format", "model_sha256", "prompts", "files"):
-        if not isinstance(manifest, dict) or key not in manifest:
+        if key not in manifest:
             raise GoldenError(f"{mpath}: missing key {key!r}; {_BUILD_HINT}")
     if manifest["format"] != FORMAT:
         raise GoldenError(
@@ -615,6 +618,7 @@ class GoldenWriter:
                 f"replace it: pass a new or empty folder"
             )
         if self.out.is_dir() and any(self.out.iterdir()) and not regen:
+            self._refuse_unlisted(self.out)  # first: --regen would refuse these too, so do not suggest it
             raise GoldenError(
                 f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
                 f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"

@@ -108,7 +108,7 @@ def _raw(config: pytest.Config, name: str) -> tuple[object, str]:
         raise pytest.UsageError(f"ini key {dest}: {e}; {hint}") from None
     if ini is None or ini is False:
         return None, "default"
-    return ini, "ini"
+    return (ini.strip() if isinstance(ini, str) else ini), "ini"  # `-o "key= value"` keeps the space
 
 
 def _opt(config: pytest.Config, name: str) -> tuple[object, str]:

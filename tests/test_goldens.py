@@ -93,6 +93,10 @@ def test_missing_things_name_the_thing_and_the_fix(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(GoldenError, match=r"no manifest.json in .*empty: not a golden store"):
         GoldenStore.open(tmp_path / "empty")
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(GoldenError, match=r"manifest.json: a JSON list, not a golden manifest \(an object with"):
+        GoldenStore.open(tmp_path / "listed")
     out = _write(tmp_path / "g")
     store = GoldenStore.open(out)
     with pytest.raises(GoldenError, match=r"no tensor 'p09.logits': the store is incomplete or older than this check"):
@@ -365,6 +369,8 @@ def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):
     with pytest.raises(GoldenError, match=r"holds files its manifest.json does not list \(NOTES.txt\); regen "
                                           "replaces the whole folder, so move them out first"):
         _write(out, regen=True, value=2.0)
+    with pytest.raises(GoldenError, match=r"does not list \(NOTES.txt\)"):  # not "pass --regen", which would refuse
+        _write(out, value=2.0)
     assert (out / "NOTES.txt").read_text() == "mine"
     (out / "NOTES.txt").unlink()  # a store holds nothing its manifest does not list
     assert torch.equal(GoldenStore.open(out).teacher_logits("p00"), torch.ones(3, 4, dtype=torch.float64))

@@ -157,6 +157,14 @@ def test_an_override_is_named_as_typed_not_blamed_on_the_ini_file(pytester):
     assert ".ini" not in r.stderr.str()
 
 
+def test_ini_values_are_stripped(pytester):
+    """`-o "cdna2_dtype= float64"` (a space after =, as an ini file allows) means float64, not a bad dtype."""
+    pytester.makepyfile("def test_x(cdna2_settings):\n    print('DTYPE', cdna2_settings.dtype)\n")
+    r = run(pytester, "-s", "-o", "cdna2_dtype= float64 ")
+    assert r.ret == pytest.ExitCode.OK
+    r.stdout.fnmatch_lines(["*DTYPE float64"])
+
+
 @pytest.mark.parametrize("value", ["bogus", "linear,atention"])
 def test_unknown_reference_ops_are_a_usage_error(pytester, monkeypatch, value):
     """CDNA2_REFERENCE_OPS names ops of the bundled engine, which the kernel tier runs whatever engine is under
