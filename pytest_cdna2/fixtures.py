@@ -54,9 +54,9 @@ class Settings:
     goldens_is_default: bool = False
 
 
-# the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
 ENGINE_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")  # module:factory, as --cdna2-engine takes it
 ENGINE_METHODS = ("forward", "generate")  # what the tiers call on any engine (the README's Model API)
+# the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
 _SOURCE_ONLY = "only with a source checkout (git clone, then `pip install -e .`), not in the wheel"
 SETTINGS = pytest.StashKey[Settings]()
 REGENERATED = pytest.StashKey[str]()
