@@ -91,10 +91,17 @@ def batch_spread(engine: Any) -> list[float]:
     return out
 
 
+INCREMENTAL_PROMPT = 100  # tokens: a decode of 40 from here crosses position 127, where V4's ratio-128 (HCA) window
+# closes, besides wrapping a sliding window of up to 128 and closing ratio-4 windows (a probe of 174 tokens decoded
+# 174-213 and never closed an HCA window in decode: a wrong rotation there went unseen)
+
+
 def incremental_spread(engine: Any, steps: int = 40) -> float:
-    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same
-    tokens; the probe is long enough to wrap the sliding window and close compression windows."""
-    ids = probe_ids(engine, repeat=2)
-    gen = engine.generate(ids, steps)
-    full = engine.forward(torch.cat([ids, gen.tokens], 1)[:, :-1])[:, ids.shape[1] - 1:]
+    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same tokens,
+    for two different prompts decoded together (a decode that mixes batch rows, e.g. writes one row's key into
+    every row's cache, shows in the second row; the suite decodes at batch 1 nowhere else)."""
+    ids = probe_ids(engine, repeat=2)[:, :INCREMENTAL_PROMPT]
+    batch = torch.cat([ids, (ids + 1) % engine.config.vocab_size])  # the probe and another prompt of its length
+    gen = engine.generate(batch, steps)
+    full = engine.forward(torch.cat([batch, gen.tokens], 1)[:, :-1])[:, batch.shape[1] - 1:]
     return (gen.logits.float() - full.float()).abs().max().item()

@@ -393,6 +393,20 @@ def test_softmax_statistics_are_fp32(backend_ops, dtype, cdna2_device, cdna2_tol
     check("softmax_stats", out[..., 40:], want[..., 40:], dtype, cdna2_tolerance, cdna2_record)
 
 
+def test_swiglu_clamps_at_the_limit(backend_ops, dtype, cdna2_device, cdna2_tolerance, cdna2_record):
+    """V4's clamped SwiGLU (swiglu_limit; DeepSeek's inference/model.py): the gate is clamped from above only, the
+    up branch to [-limit, limit], then silu(gate) * up. Values worked by hand at limit 10 (the bundled model's
+    activations stay under it, so only this check sees a clamp dropped or put on the wrong side):
+    gate -20 (unclamped below), up 30 -> 10: silu(-20) * 10 = -20 / (1 + e^20) * 10 = -4.1223e-7;
+    gate -1, up -30 -> -10: -1 / (1 + e) * -10 = 2.6894142; gate 0.5, up 2: 0.5 / (1 + e^-0.5) * 2 = 0.6224593;
+    gate 20 -> 10, up 5: 10 / (1 + e^-10) * 5 = 49.9977301."""
+    gate = torch.tensor([[-20.0, -1.0, 0.5, 20.0]], device=cdna2_device, dtype=dtype)
+    up = torch.tensor([[30.0, -30.0, 2.0, 5.0]], device=cdna2_device, dtype=dtype)
+    out = backend_ops.swiglu(gate, up, 10.0).double().cpu()
+    want = torch.tensor([[-4.1223072e-7, 2.6894142, 0.6224593, 49.9977301]], dtype=torch.float64)
+    check("swiglu_clamp", out, want, dtype, cdna2_tolerance, cdna2_record)
+
+
 def test_topk_ties_go_to_the_lower_index(backend_ops, cdna2_device):
     scores = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0, 2.0, 0.0, 2.0]], device=cdna2_device).repeat(4, 1)
     idx, _ = backend_ops.topk(scores, 3)

@@ -99,6 +99,34 @@ def test_mxfp4_weights_decode_identically(packed):
     assert n, "no MXFP4 tensors found"
 
 
+def test_decoders_on_multi_block_scale_grids():
+    """The engine's decoders against ml_dtypes on synthetic tensors whose scale grids have several rows and
+    columns and ragged edges: a checkpoint whose FP8 tensors are one 128 x 128 block each (the bundled tiny
+    model's) cannot show a grid read transposed or a block size off (a column-major read of a 2 x 3 grid moved
+    a 256 x 384 decode by 0.32 rel.). Random codes (NaN bytes excluded), random scales 2^-8 .. 2^7."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent decoder")
+    import numpy as np
+
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (300, 400), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # E4M3's NaN codes out: compared by value below
+    scale = torch.randint(119, 135, (3, 4), generator=g, dtype=torch.uint8)  # ceil(300/128) x ceil(400/128)
+    ours = formats.fp8_block_dequantize(codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu),
+                                        dtype=torch.float64)
+    vals = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    s = np.repeat(np.repeat(np.exp2(scale.numpy().astype(np.float64) - 127), 128, 0)[:300], 128, 1)[:, :400]
+    assert torch.equal(ours, torch.from_numpy(vals * s)), "FP8 decode with a 3 x 4 block-scale grid differs"
+
+    packed = torch.randint(0, 256, (48, 80), generator=g, dtype=torch.uint8)  # K = 160: 5 scales a row
+    mx_scale = torch.randint(119, 135, (48, 5), generator=g, dtype=torch.uint8)
+    ours = formats.mxfp4_dequantize(packed, mx_scale.view(torch.float8_e8m0fnu), dtype=torch.float64)
+    raw = packed.numpy()
+    nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(48, 160)
+    vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    want = vals * np.repeat(np.exp2(mx_scale.numpy().astype(np.float64) - 127), 32, axis=-1)
+    assert torch.equal(ours, torch.from_numpy(want)), "MXFP4 decode with 5 scales a row differs"
+
+
 def test_device_round_trip_keeps_bytes(packed, cdna2_device):
     if cdna2_device.type == "cpu":
         pytest.skip("the weights are already on the CPU: there is no device to round-trip through")

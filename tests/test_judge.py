@@ -91,14 +91,15 @@ def test_an_engine_refusing_the_golden_selections_fails_the_prompt_in_one_line()
 class Causal:
     """A causal fake model: position t's logits depend on tokens 0..t of its own row only (a running sum of
     embeddings). batch_leak: every row also sees the batch's mean (a kernel that mixes rows); stale: decode
-    steps read a cache one token behind."""
+    steps read a cache one token behind; decode_mix: decode steps read row 0's generated tokens in every row (a
+    cache write that takes one row's key for all), while a prefill keeps rows apart."""
 
     device = "cpu"
     config = SimpleNamespace(vocab_size=V)
 
-    def __init__(self, batch_leak: bool = False, stale: bool = False) -> None:
+    def __init__(self, batch_leak: bool = False, stale: bool = False, decode_mix: bool = False) -> None:
         self.emb = torch.randn(V, V, generator=torch.Generator().manual_seed(3))
-        self.batch_leak, self.stale = batch_leak, stale
+        self.batch_leak, self.stale, self.decode_mix = batch_leak, stale, decode_mix
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.emb[ids].cumsum(1)
@@ -107,7 +108,10 @@ class Causal:
     def generate(self, ids: torch.Tensor, steps: int) -> SimpleNamespace:
         tokens, logits = ids, []
         for _ in range(steps):
-            row = self.forward(tokens[:, :-1] if self.stale and tokens.shape[1] > ids.shape[1] else tokens)[:, -1]
+            seen = tokens[:, :-1] if self.stale and tokens.shape[1] > ids.shape[1] else tokens
+            if self.decode_mix:
+                seen = torch.cat([seen[:, :ids.shape[1]], seen[:1, ids.shape[1]:].expand(len(seen), -1)], 1)
+            row = self.forward(seen)[:, -1]
             logits.append(row)
             tokens = torch.cat([tokens, row.argmax(-1, keepdim=True)], 1)
         return SimpleNamespace(tokens=tokens[:, ids.shape[1]:], logits=torch.stack(logits, 1))
@@ -121,3 +125,4 @@ def test_determinism_probes_see_rows_mixed_and_stale_decode():
     assert max(batch_spread(Causal())) == 0.0 and incremental_spread(Causal(), steps=8) == 0.0
     assert min(batch_spread(Causal(batch_leak=True))) > 1.0
     assert incremental_spread(Causal(stale=True), steps=8) > 1.0
+    assert incremental_spread(Causal(decode_mix=True), steps=8) > 1.0  # its second row decodes the first's tokens
