@@ -59,21 +59,36 @@ def test_ue8m0_scales_are_finite(packed):
         assert not (raw == 255).any(), f"{key}: {(raw == 255).sum()} NaN (0xFF) scales"
 
 
-def test_fp8_weights_decode_identically(packed):
-    """E4M3 bytes through the engine's decoder (torch's float8_e4m3fn cast) vs ml_dtypes' float8_e4m3fn, with
-    2**(byte-127) per 128x128 block."""
+def _fp8_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes by ml_dtypes' float8_e4m3fn times 2**(byte - 127) per 128 x 128 block, in float64."""
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent FP8 decoder")
     import numpy as np
 
+    vals = w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
+    return torch.from_numpy(vals * np.repeat(np.repeat(np.exp2(exp), 128, 0)[: w.shape[0]], 128, 1)[:, : w.shape[1]])
+
+
+def _mxfp4_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (element 2j low, 2j+1 high) by ml_dtypes' float4_e2m1fn times 2**(byte - 127) per 32, float64."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent FP4 decoder")
+    import numpy as np
+
+    raw = w.view(torch.uint8).numpy()
+    nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(*raw.shape[:-1], -1)
+    vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
+    return torch.from_numpy(vals * np.repeat(np.exp2(exp), 32, axis=-1))
+
+
+def test_fp8_weights_decode_identically(packed):
+    """E4M3 bytes through the engine's decoder (torch's float8_e4m3fn cast) vs ml_dtypes' float8_e4m3fn, with
+    2**(byte-127) per 128x128 block."""
     n = 0
     for key, w, scale in packed:
         if w.dtype != torch.float8_e4m3fn:
             continue
-        ours = formats.fp8_block_dequantize(w, scale, dtype=torch.float64)
-        vals = w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
-        s = np.repeat(np.repeat(np.exp2(exp), 128, 0)[: w.shape[0]], 128, 1)[:, : w.shape[1]]
-        independent = torch.from_numpy(vals * s)
+        ours, independent = formats.fp8_block_dequantize(w, scale, dtype=torch.float64), _fp8_independent(w, scale)
         assert torch.equal(ours, independent), f"{key}: FP8 decode differs at {(ours != independent).sum()} values"
         n += 1
     assert n, "no FP8 tensors found"
@@ -81,19 +96,11 @@ def test_fp8_weights_decode_identically(packed):
 
 def test_mxfp4_weights_decode_identically(packed):
     """E2M1 nibbles (element 2j low, 2j+1 high) through the engine vs ml_dtypes' float4_e2m1fn."""
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent FP4 decoder")
-    import numpy as np
-
     n = 0
     for key, w, scale in packed:
         if w.dtype not in (torch.int8, torch.uint8):
             continue
-        ours = formats.mxfp4_dequantize(w, scale, dtype=torch.float64)
-        raw = w.view(torch.uint8).numpy()
-        nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(*raw.shape[:-1], -1)
-        vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-        exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
-        independent = torch.from_numpy(vals * np.repeat(np.exp2(exp), 32, axis=-1))
+        ours, independent = formats.mxfp4_dequantize(w, scale, dtype=torch.float64), _mxfp4_independent(w, scale)
         assert torch.equal(ours, independent), f"{key}: MXFP4 decode differs at {(ours != independent).sum()} values"
         n += 1
     assert n, "no MXFP4 tensors found"
@@ -104,27 +111,18 @@ def test_decoders_on_multi_block_scale_grids():
     columns and ragged edges: a checkpoint whose FP8 tensors are one 128 x 128 block each (the bundled tiny
     model's) cannot show a grid read transposed or a block size off (a column-major read of a 2 x 3 grid moved
     a 256 x 384 decode by 0.32 rel.). Random codes (NaN bytes excluded), random scales 2^-8 .. 2^7."""
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent decoder")
-    import numpy as np
-
     g = torch.Generator().manual_seed(7)
     codes = torch.randint(0, 256, (300, 400), generator=g, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x3C  # E4M3's NaN codes out: compared by value below
-    scale = torch.randint(119, 135, (3, 4), generator=g, dtype=torch.uint8)  # ceil(300/128) x ceil(400/128)
-    ours = formats.fp8_block_dequantize(codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu),
-                                        dtype=torch.float64)
-    vals = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    s = np.repeat(np.repeat(np.exp2(scale.numpy().astype(np.float64) - 127), 128, 0)[:300], 128, 1)[:, :400]
-    assert torch.equal(ours, torch.from_numpy(vals * s)), "FP8 decode with a 3 x 4 block-scale grid differs"
+    w = codes.view(torch.float8_e4m3fn)
+    scale = torch.randint(119, 135, (3, 4), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 300, 400
+    ours = formats.fp8_block_dequantize(w, scale, dtype=torch.float64)
+    assert torch.equal(ours, _fp8_independent(w, scale)), "FP8 decode with a 3 x 4 block-scale grid differs"
 
     packed = torch.randint(0, 256, (48, 80), generator=g, dtype=torch.uint8)  # K = 160: 5 scales a row
-    mx_scale = torch.randint(119, 135, (48, 5), generator=g, dtype=torch.uint8)
-    ours = formats.mxfp4_dequantize(packed, mx_scale.view(torch.float8_e8m0fnu), dtype=torch.float64)
-    raw = packed.numpy()
-    nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(48, 160)
-    vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    want = vals * np.repeat(np.exp2(mx_scale.numpy().astype(np.float64) - 127), 32, axis=-1)
-    assert torch.equal(ours, torch.from_numpy(want)), "MXFP4 decode with 5 scales a row differs"
+    mx_scale = torch.randint(119, 135, (48, 5), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    ours = formats.mxfp4_dequantize(packed, mx_scale, dtype=torch.float64)
+    assert torch.equal(ours, _mxfp4_independent(packed, mx_scale)), "MXFP4 decode with 5 scales a row differs"
 
 
 def test_device_round_trip_keeps_bytes(packed, cdna2_device):
