@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -174,10 +175,15 @@ class _Files:
     def keys(self) -> set[str]:
         return set(self.where)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, part: tuple[int, slice | None] | None = None) -> torch.Tensor:
+        """The tensor at `key`, or the part (expert e, rows) of a stacked one: only its bytes are read."""
         name = self.where[key]
         try:
-            return self.handles[name].get_tensor(key)
+            if part is None:
+                return self.handles[name].get_tensor(key)
+            e, rows = part
+            stacked = self.handles[name].get_slice(key)
+            return stacked[e] if rows is None else stacked[e, rows]
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{self.folder / name}: key {key} unreadable ({e}): the file is corrupt") from None
 
@@ -270,35 +276,52 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
     """Read a checkpoint folder (official or transformers layout, one file or shards) into
     {official key: QWeight | Tensor}: linears as QWeight (packed stays packed), the rest as tensors.
     Validates every key, shape, dtype, scale grid and finiteness against the config."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a folder: pass the checkpoint directory holding config.json")
+    cfg = cfg or Config.load(_folder(path))
+    return cfg, dict(stream_checkpoint(path, cfg))
+
+
+def stream_checkpoint(path: str | Path, cfg: Config | None = None) -> Iterator[tuple[str, object]]:
+    """(official key, QWeight | Tensor) one at a time, validated as `read_checkpoint` validates them, so a
+    checker can visit a 160 GB checkpoint holding one tensor at a time. Missing keys are found before any tensor is
+    read; a tensor's shape, dtype and values when it is read; the experts' common storage and keys the config
+    does not imply after the last (a shape mismatch names the tensor and both shapes, which says more)."""
+    folder = _folder(path)
     cfg = cfg or Config.load(folder)
     files = _Files(folder)
     specs = tensor_specs(cfg)
     files.names = _resolve(files, specs, cfg)
-    out: dict[str, object] = {}
-    expected = set()
+    expected = {sp.name for sp in specs}
     for sp in specs:
-        expected.add(sp.name)
+        _need_name(files, sp.name)
+        if sp.kind in ("fp8", "mxfp4"):
+            expected.add(sp.name.removesuffix(".weight") + ".scale")
+    storage: dict[str, tuple] = {}  # routed experts' (kind, dtype, shape), checked alike below
+    for sp in specs:
         if sp.kind in ("fp8", "mxfp4"):
             scale_key = sp.name.removesuffix(".weight") + ".scale"
-            expected.add(scale_key)
-            out[sp.name] = _read_linear(files, sp, scale_key if scale_key in files.names else None)
+            value = _read_linear(files, sp, scale_key if scale_key in files.names else None)
+            storage[sp.name] = (value.kind, value.data.dtype, tuple(value.data.shape))
         else:
             t = _read_plain(files, sp)
             if sp.kind == "int32":  # checked before the cast: an int64 id past 2^31 must not wrap into range
                 _check_tid2eid(files, sp.name, t, cfg.n_routed_experts)
                 t = t.to(torch.int32)
-            out[sp.name] = QWeight(t, None, "dense") if sp.linear else t
-    _check_experts_uniform(files, out, cfg)
+            value = QWeight(t, None, "dense") if sp.linear else t
+        yield sp.name, value
+    _check_experts_uniform(files, storage, cfg)
     unexpected = sorted(n for n in set(files.names) - expected if not files.names[n][0].startswith("mtp."))
     if unexpected:
         k = files.names[unexpected[0]][0]
         raise CheckpointError(
             f"{files.file_of(k)}: unexpected key {k} ({len(unexpected)} in all): the config.json does not match "
             f"these weights (check num_hidden_layers, compress_ratios, num_hash_layers, n_routed_experts)")
-    return cfg, out
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder: pass the checkpoint directory holding config.json")
+    return folder
 
 
 def _check_tid2eid(files: _Files, name: str, t: torch.Tensor, n_experts: int) -> None:
@@ -309,29 +332,28 @@ def _check_tid2eid(files: _Files, name: str, t: torch.Tensor, n_experts: int) ->
                               "corrupt or config.json's n_routed_experts is wrong")
 
 
-def _check_experts_uniform(files: _Files, out: dict, cfg: Config) -> None:
+def _check_experts_uniform(files: _Files, storage: dict[str, tuple], cfg: Config) -> None:
     """All routed experts of a projection must share storage: they are stacked into one tensor."""
     for i in range(cfg.num_hidden_layers):
         for w in ("w1", "w2", "w3"):
             names = [f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts)]
-            first = out[names[0]]
+            first = storage[names[0]]
             for n in names[1:]:
-                q = out[n]
-                if (q.kind, q.data.dtype, q.data.shape) != (first.kind, first.data.dtype, first.data.shape):
-                    raise CheckpointError(f"{_where(files, n)} is stored as {q.kind} {q.data.dtype} but {names[0]} "
-                                          f"as {first.kind} {first.data.dtype}: store all experts alike")
+                if storage[n] != first:
+                    raise CheckpointError(f"{_where(files, n)} is stored as {storage[n][0]} {storage[n][1]} but "
+                                          f"{names[0]} as {first[0]} {first[1]}: store all experts alike")
 
 
-def _need(files: _Files, name: str) -> torch.Tensor:
+def _need_name(files: _Files, name: str) -> None:
     if name not in files.names:
         raise CheckpointError(f"{files.folder}: missing key {name}: the checkpoint is incomplete or its config.json "
                               "describes another model")
+
+
+def _need(files: _Files, name: str) -> torch.Tensor:
+    _need_name(files, name)
     key, part = files.names[name]
-    t = files.get(key)
-    if part is not None:
-        e, sl = part
-        t = t[e] if sl is None else t[e, sl]
-    return t
+    return files.get(key, part)
 
 
 def _where(files: _Files, name: str) -> str:

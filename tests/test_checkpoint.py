@@ -795,3 +795,69 @@ def test_convert_of_already_quantized_checkpoint(good, tmp_path):
         convert_hf_checkpoint(good, dst)
     assert "\n" not in str(e.value) and str(good) in str(e.value)
     assert not dst.exists() or not any(dst.iterdir())
+
+
+# ------------------------------------------------------------------------------------------- reading cost
+
+
+class _CountingOpen:
+    """safetensors' safe_open, counting the bytes of every tensor (or slice of one) handed out."""
+
+    def __init__(self, real):
+        self.real, self.read = real, 0
+
+    def __call__(self, *args, **kwargs):
+        counter, handle = self, self.real(*args, **kwargs)
+
+        class Slice:
+            def __init__(self, s):
+                self.s = s
+
+            def get_shape(self):
+                return self.s.get_shape()
+
+            def __getitem__(self, index):
+                t = self.s[index]
+                counter.read += t.nbytes
+                return t
+
+        class Handle:
+            def keys(self):
+                return handle.keys()
+
+            def get_slice(self, key):
+                return Slice(handle.get_slice(key))
+
+            def get_tensor(self, key):
+                t = handle.get_tensor(key)
+                counter.read += t.nbytes
+                return t
+
+        return Handle()
+
+
+@pytest.mark.parametrize("layout", ["good", "sharded", "stacked"])
+def test_reading_reads_each_stored_byte_once(layout, request, monkeypatch):
+    """A transformers folder's stacked experts are read one expert's part at a time: reading the whole
+    [E, 2I, D] tensor for each of its E experts read V4-Flash's 256-expert layers 512 times over."""
+    folder = request.getfixturevalue(layout)
+    stored = sum(t.nbytes for f in folder.glob("*.safetensors") for t in load_file(str(f)).values())
+    counting = _CountingOpen(checkpoint.safe_open)
+    monkeypatch.setattr(checkpoint, "safe_open", counting)
+    read_checkpoint(folder)
+    assert counting.read == stored, f"read {counting.read} bytes of {stored} stored"
+
+
+def test_stream_holds_one_tensor_at_a_time(good):
+    """stream_checkpoint hands tensors out one by one and keeps none: a checker of a 160 GB checkpoint holds
+    what it keeps itself. Every value's tensors are dead once the consumer drops it (weak references)."""
+    import weakref
+
+    alive, most, n = [], 0, 0
+    for _, value in checkpoint.stream_checkpoint(good):
+        parts = [value.data, value.scale] if isinstance(value, QWeight) else [value]
+        alive = [r for r in alive if r() is not None] + [weakref.ref(t) for t in parts if t is not None]
+        most, n = max(most, len(alive)), n + 1
+        del value, parts
+    # 3: a weight and its scale, and the reader's local still naming the tensor before them until it resumes
+    assert n > 50 and most <= 3, f"{most} tensors alive at once over {n} values"
