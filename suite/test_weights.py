@@ -1,111 +1,72 @@
 """Weight tier: every packed tensor of the checkpoint decodes the same in the engine's decoders and in
 independent ones (ml_dtypes' float8_e4m3fn and float4_e2m1fn), scales are finite, and bytes survive a
-host -> device -> host round trip. Exact: a decoder one bit off fails here, not three tiers later."""
+host -> device -> host round trip. Exact: a decoder one bit off fails here, not three tiers later. One pass
+over the files holds one tensor at a time (pytest_cdna2.weights), so a 160 GB checkpoint needs no 160 GB host."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import importlib.util
 
 import pytest
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from cdna2_engine import formats
-from cdna2_engine.checkpoint import read_checkpoint
+from cdna2_engine.checkpoint import stream_checkpoint
+from pytest_cdna2.weights import FP8, MXFP4, ROUND_TRIP, SCALES, fp8_independent, mxfp4_independent, scan_weights
 
 pytestmark = pytest.mark.weight
-
-
-def _packed(model_dir: Path):
-    """(key, weight, scale) for every tensor stored with a UE8M0 scale, read straight from the files."""
-    index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors files: point --cdna2-model at a checkpoint folder")
-    for name in files:
-        with safe_open(str(model_dir / name), "pt") as f:
-            keys = set(f.keys())
-            for k in sorted(keys):
-                if k.endswith(".weight") and k.removesuffix(".weight") + ".scale" in keys:
-                    yield k, f.get_tensor(k), f.get_tensor(k.removesuffix(".weight") + ".scale")
+HAVE_ML_DTYPES = importlib.util.find_spec("ml_dtypes") is not None
+needs_ml_dtypes = pytest.mark.skipif(not HAVE_ML_DTYPES, reason="ml_dtypes is the independent FP8/FP4 decoder: "
+                                     "pip install ml-dtypes (the suite extra has it)")
 
 
 @pytest.fixture(scope="module")
-def packed(cdna2_settings, request):
-    """The checkpoint's packed tensors. First the whole checkpoint goes through the bundled engine's reader
-    (official layout: every key, shape, dtype, scale grid and finite value against config.json), so a broken
-    checkpoint stops the run in one line here, as it would when loaded, instead of passing the decode checks
-    on what is left of it."""
+def scan(cdna2_settings, cdna2_device, request):
+    """One pass over the checkpoint's packed tensors. First the whole checkpoint goes through the bundled
+    engine's reader, one tensor at a time (official layout: every key, shape, dtype, scale grid and finite value
+    against config.json), so a broken checkpoint stops the run in one line here, as it would when loaded,
+    instead of passing the decode checks on what is left of it."""
     model_dir = cdna2_settings.model
     try:
         if (model_dir / "config.json").is_file():  # a checkpoint in the official layout (not a custom engine's own)
-            read_checkpoint(model_dir)
-        items = list(_packed(model_dir))
+            for _ in stream_checkpoint(model_dir):
+                pass
+        found = scan_weights(model_dir, cdna2_device, decode=HAVE_ML_DTYPES)
     except (ValueError, OSError, SafetensorError) as e:  # CheckpointError, ConfigError, a corrupt index or shard
         message = f"cdna2: weight tier: {e}"
         request.session.shouldstop = message
         raise pytest.fail.Exception(message, pytrace=False) from None  # raised in `except`: no chained repeat
-    if not items:
-        pytest.skip(f"{cdna2_settings.model} holds no FP8/MXFP4 tensors with scales")
-    return items
+    if not found.tensors:
+        pytest.skip(f"{model_dir} holds no FP8/MXFP4 tensors with scales")
+    return found
 
 
-def test_ue8m0_scales_are_finite(packed):
-    for key, _, scale in packed:
-        raw = scale.view(torch.uint8)
-        assert scale.dtype == torch.float8_e8m0fnu, f"{key}: scale dtype {scale.dtype}, expected float8_e8m0fnu"
-        assert not (raw == 255).any(), f"{key}: {(raw == 255).sum()} NaN (0xFF) scales"
+def _no_problems(scan, check: str) -> None:
+    lines = scan.problems.get(check, [])
+    assert not lines, f"{len(lines)} tensor(s): " + "; ".join(lines[:5]) + (" ..." if len(lines) > 5 else "")
 
 
-def _fp8_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes by ml_dtypes' float8_e4m3fn times 2**(byte - 127) per 128 x 128 block, in float64."""
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent FP8 decoder")
-    import numpy as np
-
-    vals = w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
-    return torch.from_numpy(vals * np.repeat(np.repeat(np.exp2(exp), 128, 0)[: w.shape[0]], 128, 1)[:, : w.shape[1]])
+def test_ue8m0_scales_are_finite(scan):
+    _no_problems(scan, SCALES)
 
 
-def _mxfp4_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E2M1 nibbles (element 2j low, 2j+1 high) by ml_dtypes' float4_e2m1fn times 2**(byte - 127) per 32, float64."""
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the independent FP4 decoder")
-    import numpy as np
-
-    raw = w.view(torch.uint8).numpy()
-    nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(*raw.shape[:-1], -1)
-    vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
-    return torch.from_numpy(vals * np.repeat(np.exp2(exp), 32, axis=-1))
-
-
-def test_fp8_weights_decode_identically(packed):
+@needs_ml_dtypes
+def test_fp8_weights_decode_identically(scan):
     """E4M3 bytes through the engine's decoder (torch's float8_e4m3fn cast) vs ml_dtypes' float8_e4m3fn, with
     2**(byte-127) per 128x128 block."""
-    n = 0
-    for key, w, scale in packed:
-        if w.dtype != torch.float8_e4m3fn:
-            continue
-        ours, independent = formats.fp8_block_dequantize(w, scale, dtype=torch.float64), _fp8_independent(w, scale)
-        assert torch.equal(ours, independent), f"{key}: FP8 decode differs at {(ours != independent).sum()} values"
-        n += 1
-    assert n, "no FP8 tensors found"
+    _no_problems(scan, FP8)
+    assert scan.decoded[FP8], "no FP8 tensors found"
 
 
-def test_mxfp4_weights_decode_identically(packed):
+@needs_ml_dtypes
+def test_mxfp4_weights_decode_identically(scan):
     """E2M1 nibbles (element 2j low, 2j+1 high) through the engine vs ml_dtypes' float4_e2m1fn."""
-    n = 0
-    for key, w, scale in packed:
-        if w.dtype not in (torch.int8, torch.uint8):
-            continue
-        ours, independent = formats.mxfp4_dequantize(w, scale, dtype=torch.float64), _mxfp4_independent(w, scale)
-        assert torch.equal(ours, independent), f"{key}: MXFP4 decode differs at {(ours != independent).sum()} values"
-        n += 1
-    assert n, "no MXFP4 tensors found"
+    _no_problems(scan, MXFP4)
+    assert scan.decoded[MXFP4], "no MXFP4 tensors found"
 
 
+@needs_ml_dtypes
 def test_decoders_on_multi_block_scale_grids():
     """The engine's decoders against ml_dtypes on synthetic tensors whose scale grids have several rows and
     columns and ragged edges: a checkpoint whose FP8 tensors are one 128 x 128 block each (the bundled tiny
@@ -117,19 +78,15 @@ def test_decoders_on_multi_block_scale_grids():
     w = codes.view(torch.float8_e4m3fn)
     scale = torch.randint(119, 135, (3, 4), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 300, 400
     ours = formats.fp8_block_dequantize(w, scale, dtype=torch.float64)
-    assert torch.equal(ours, _fp8_independent(w, scale)), "FP8 decode with a 3 x 4 block-scale grid differs"
+    assert torch.equal(ours, fp8_independent(w, scale)), "FP8 decode with a 3 x 4 block-scale grid differs"
 
     packed = torch.randint(0, 256, (48, 80), generator=g, dtype=torch.uint8)  # K = 160: 5 scales a row
     mx_scale = torch.randint(119, 135, (48, 5), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     ours = formats.mxfp4_dequantize(packed, mx_scale, dtype=torch.float64)
-    assert torch.equal(ours, _mxfp4_independent(packed, mx_scale)), "MXFP4 decode with 5 scales a row differs"
+    assert torch.equal(ours, mxfp4_independent(packed, mx_scale)), "MXFP4 decode with 5 scales a row differs"
 
 
-def test_device_round_trip_keeps_bytes(packed, cdna2_device):
+def test_device_round_trip_keeps_bytes(scan, cdna2_device):
     if cdna2_device.type == "cpu":
         pytest.skip("the weights are already on the CPU: there is no device to round-trip through")
-    for key, w, scale in packed:
-        for t, what in ((w, "weight"), (scale, "scale")):
-            raw = t.view(torch.uint8)
-            back = raw.to(cdna2_device).cpu()
-            assert torch.equal(raw, back), f"{key} {what}: bytes changed on the way through {cdna2_device}"
+    _no_problems(scan, ROUND_TRIP)

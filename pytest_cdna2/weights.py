@@ -1,0 +1,103 @@
+"""The weight tier's single pass over a checkpoint: every packed tensor (a `.weight` stored beside a UE8M0
+`.scale`) read straight from its file, its scales checked, decoded by the engine's decoders and by independent
+ones (ml_dtypes), and its bytes round-tripped through the device, holding one tensor at a time, so V4-Flash's
+~160 GB is checked on a host with a few GB free. The suite's tests (suite/test_weights.py) assert on what the
+pass found; each failure is one line per tensor."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from cdna2_engine import formats
+
+FP8, MXFP4, SCALES, ROUND_TRIP = "fp8", "mxfp4", "scales", "round_trip"
+
+
+@dataclass
+class WeightScan:
+    """What one pass found: packed tensors read, those decoded per format, per check the tensors that failed it."""
+
+    tensors: int = 0
+    decoded: Counter = field(default_factory=Counter)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+    def fail(self, check: str, line: str) -> None:
+        self.problems.setdefault(check, []).append(line)
+
+
+def packed_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(key, weight, scale) for every tensor stored with a `.scale`, one at a time, in file and key order."""
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files: point --cdna2-model at a checkpoint folder")
+    for name in files:
+        with safe_open(str(model_dir / name), "pt") as f:
+            keys = set(f.keys())
+            for k in sorted(keys):
+                scale_key = k.removesuffix(".weight") + ".scale"
+                if k.endswith(".weight") and scale_key in keys:
+                    yield k, f.get_tensor(k), f.get_tensor(scale_key)
+
+
+def fp8_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes by ml_dtypes' float8_e4m3fn times 2**(byte - 127) per 128 x 128 block, in float64."""
+    import ml_dtypes
+
+    vals = w.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
+    return torch.from_numpy(vals * np.repeat(np.repeat(np.exp2(exp), 128, 0)[: w.shape[0]], 128, 1)[:, : w.shape[1]])
+
+
+def mxfp4_independent(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (element 2j low, 2j+1 high) by ml_dtypes' float4_e2m1fn times 2**(byte - 127) per 32, float64."""
+    import ml_dtypes
+
+    raw = w.view(torch.uint8).numpy()
+    nib = np.stack([raw & 0xF, raw >> 4], -1).reshape(*raw.shape[:-1], -1)
+    vals = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    exp = scale.view(torch.uint8).numpy().astype(np.float64) - 127
+    return torch.from_numpy(vals * np.repeat(np.exp2(exp), 32, axis=-1))
+
+
+def _decode(key: str, w: torch.Tensor, scale: torch.Tensor, scan: WeightScan) -> None:
+    if w.dtype == torch.float8_e4m3fn:
+        kind, ours, independent = FP8, formats.fp8_block_dequantize(w, scale, dtype=torch.float64), \
+            fp8_independent(w, scale)
+    elif w.dtype in (torch.int8, torch.uint8):
+        kind, ours, independent = MXFP4, formats.mxfp4_dequantize(w, scale, dtype=torch.float64), \
+            mxfp4_independent(w, scale)
+    else:
+        return
+    scan.decoded[kind] += 1
+    if not torch.equal(ours, independent):
+        scan.fail(kind, f"{key}: {kind.upper()} decode differs at {(ours != independent).sum()} values")
+
+
+def scan_weights(model_dir: Path, device: torch.device, decode: bool = True) -> WeightScan:
+    """One pass over the packed tensors; `decode` False when ml_dtypes (the independent decoder) is absent."""
+    scan = WeightScan()
+    for key, w, scale in packed_tensors(model_dir):
+        scan.tensors += 1
+        nans = int((scale.view(torch.uint8) == 255).sum()) if scale.dtype == torch.float8_e8m0fnu else 0
+        if scale.dtype != torch.float8_e8m0fnu:
+            scan.fail(SCALES, f"{key}: scale dtype {scale.dtype}, expected float8_e8m0fnu")
+        elif nans:
+            scan.fail(SCALES, f"{key}: {nans} NaN (0xFF) scales")
+        elif decode:  # bad scales fail above: decoded, they would fail the decode checks for another reason
+            _decode(key, w, scale, scan)
+        if device.type != "cpu":
+            for t, what in ((w, "weight"), (scale, "scale")):
+                raw = t.view(torch.uint8)
+                if not torch.equal(raw, raw.to(device).cpu()):
+                    scan.fail(ROUND_TRIP, f"{key} {what}: bytes changed on the way through {device}")
+    return scan
