@@ -54,16 +54,35 @@ def test_ue8m0_scales_are_finite(scan):
 @needs_ml_dtypes
 def test_fp8_weights_decode_identically(scan):
     """E4M3 bytes through the engine's decoder (torch's float8_e4m3fn cast) vs ml_dtypes' float8_e4m3fn, with
-    2**(byte-127) per 128x128 block."""
+    2**(byte-127) per 128x128 block: the first tensor of each stored shape (pytest_cdna2.weights)."""
     _no_problems(scan, FP8)
     assert scan.decoded[FP8], "no FP8 tensors found"
 
 
 @needs_ml_dtypes
 def test_mxfp4_weights_decode_identically(scan):
-    """E2M1 nibbles (element 2j low, 2j+1 high) through the engine vs ml_dtypes' float4_e2m1fn."""
+    """E2M1 nibbles (element 2j low, 2j+1 high) through the engine vs ml_dtypes' float4_e2m1fn: the first
+    tensor of each stored shape."""
     _no_problems(scan, MXFP4)
     assert scan.decoded[MXFP4], "no MXFP4 tensors found"
+
+
+@needs_ml_dtypes
+def test_decoders_on_every_code_at_every_scale():
+    """Every E4M3 byte and every pair of E2M1 nibbles at every UE8M0 scale byte 0..254 (2^-127 .. 2^127), the
+    engine's decoders against ml_dtypes in float64: with the checkpoint's shapes (above) this covers a decode,
+    an elementwise function of a code and its position's scale. NaN codes must decode to NaN."""
+    scales = torch.arange(255, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    w = torch.arange(256, dtype=torch.uint8).view(2, 128).repeat(64, 255)  # 255 blocks of 128 x 128
+    w, grid = w.view(torch.float8_e4m3fn), scales.view(1, 255)  # block j: every byte 64 times, scale byte j
+    ours, independent = formats.fp8_block_dequantize(w, grid, dtype=torch.float64), fp8_independent(w, grid)
+    same = torch.equal(ours.isnan(), independent.isnan()) and torch.equal(ours.nan_to_num(), independent.nan_to_num())
+    assert same, "FP8 decode differs from ml_dtypes' float8_e4m3fn at some code and scale"
+
+    packed = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(255, 1)  # 16 rows of 32 codes a scale byte
+    grid = scales.repeat_interleave(16).view(-1, 1)
+    ours, independent = formats.mxfp4_dequantize(packed, grid, dtype=torch.float64), mxfp4_independent(packed, grid)
+    assert torch.equal(ours, independent), "MXFP4 decode differs from ml_dtypes' float4_e2m1fn at some code and scale"
 
 
 @needs_ml_dtypes

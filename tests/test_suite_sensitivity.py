@@ -45,7 +45,7 @@ def run_suite(pytester, model, goldens, *args, env=None):
 def test_goldens_built_here_pass_the_token_and_determinism_tiers(pytester, made):
     r = run_suite(pytester, *made, "-m", "token or determinism or weight")
     # skipped: device-vs-device (needs two devices) and the weights' device round trip (the CPU is no device)
-    r.assert_outcomes(passed=len(PROMPTS) * 2 + 3 + 4, skipped=2)
+    r.assert_outcomes(passed=len(PROMPTS) * 2 + 3 + 5, skipped=2)  # 2 token tests a prompt, 3 determinism, 5 weight
 
 
 def test_flipped_golden_byte_stops_the_run(pytester, made, tmp_path):

@@ -4,6 +4,7 @@ holds one tensor at a time, which is what lets the tier check V4-Flash's ~160 GB
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -24,9 +25,14 @@ def model(tmp_path_factory):
 
 
 def test_a_good_checkpoint_has_no_problems(model):
+    """Every packed tensor is visited and one of each stored shape decoded both ways."""
+    sd = {k: v for f in model.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    packed = [(sd[k].dtype, sd[k].shape, sd[k.removesuffix(".weight") + ".scale"].shape) for k in sd
+              if k.endswith(".weight") and k.removesuffix(".weight") + ".scale" in sd]
+    kinds = Counter(FP8 if dtype == torch.float8_e4m3fn else MXFP4 for dtype, _, _ in set(packed))
     scan = scan_weights(model, CPU)
     assert scan.problems == {}
-    assert scan.decoded[FP8] > 10 and scan.decoded[MXFP4] > 50 and scan.tensors == sum(scan.decoded.values())
+    assert scan.tensors == len(packed) > 60 and scan.decoded == kinds and kinds[FP8] > 3 and kinds[MXFP4] == 2
 
 
 def _edit(model, tmp_path, fn):
@@ -54,7 +60,7 @@ def test_a_nan_scale_is_named(model, tmp_path):
 
 @pytest.mark.parametrize("kind, decoder", [(FP8, "fp8_block_dequantize"), (MXFP4, "mxfp4_dequantize")])
 def test_a_decoder_one_bit_off_is_named(model, monkeypatch, kind, decoder):
-    """The engine's decoder with every scale read one exponent high (2x) fails on every tensor of its format."""
+    """The engine's decoder with every scale read one exponent high (2x) fails on every shape of its format."""
     real = getattr(weights.formats, decoder)
     monkeypatch.setattr(weights.formats, decoder, lambda w, s, dtype: real(w, s, dtype=dtype) * 2)
     scan = scan_weights(model, CPU)
