@@ -235,9 +235,9 @@ class TierTally:
     def add(self, report: pytest.TestReport) -> None:
         """Fold one phase report (setup/call/teardown) into its test's final outcome."""
         t = self.tests.setdefault(report.nodeid, _Outcome(tier_of(getattr(report, "cdna2_tiers", ()))))
-        if report.failed:
-            t.outcome = "failed"
-        elif report.skipped and t.outcome != "failed":
+        if report.failed:  # pytest's own words: a failing call failed, a failing setup or teardown errored
+            t.outcome = "failed" if report.when == "call" or t.outcome == "failed" else "error"
+        elif report.skipped and t.outcome not in ("failed", "error"):
             t.outcome = "skipped"
             if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
                 t.reason = str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -246,8 +246,8 @@ class TierTally:
             t.metrics = metrics
 
     def counts(self, tier: str) -> dict[str, int]:
-        """{"passed": n, "failed": n, "skipped": n} for one tier."""
-        c = {"passed": 0, "failed": 0, "skipped": 0}
+        """{"passed": n, "failed": n, "skipped": n, "error": n} for one tier."""
+        c = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
         for t in self.tests.values():
             if t.tier == tier:
                 c[t.outcome] += 1
@@ -271,7 +271,8 @@ class TierTally:
             c = self.counts(tier)
             if not any(c.values()):
                 continue
-            out.append(f"{tier:<12} {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+            errors = f", {c['error']} error{'s' * (c['error'] > 1)}" if c["error"] else ""
+            out.append(f"{tier:<12} {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped{errors}")
             if tier == "perf" and c["skipped"]:
                 reasons = {t.reason for t in self.tests.values() if t.tier == "perf" and t.reason}
                 out += [f"    {r}" for r in sorted(reasons)]

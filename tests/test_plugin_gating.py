@@ -233,6 +233,42 @@ def test_perf_refuses_to_run_before_a_correctness_test(pytester):
                             "test_perf_refuses_to_run_before_a_correctness_test.py::test_tokens[[]True0[]]*"])
 
 
+def test_terminal_summary_counts_setup_and_teardown_failures_as_errors(pytester):
+    """As pytest's own summary: a test whose fixture raises errored, it did not fail; one whose call failed
+    and whose teardown raised too counts once, as failed."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("no model")
+
+        @pytest.fixture
+        def bad_teardown():
+            yield
+            raise RuntimeError("cleanup")
+
+        @pytest.mark.weight
+        def test_a(broken):
+            pass
+
+        @pytest.mark.weight
+        def test_b(bad_teardown):
+            pass
+
+        @pytest.mark.weight
+        def test_c(bad_teardown):
+            assert False
+
+        @pytest.mark.weight
+        def test_d():
+            pass
+        """)
+    r = run(pytester)
+    r.assert_outcomes(passed=2, failed=1, errors=3)
+    r.stdout.fnmatch_lines(["weight       1 passed, 1 failed, 0 skipped, 2 errors"])
+
+
 def test_terminal_summary_per_tier_with_worst_metric(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu")
