@@ -83,11 +83,12 @@ def cmd_goldens_verify(args: argparse.Namespace) -> int:
     """Verify every checksum and the contents of a store (and its model, with ``--model``, whose config also
     bounds the recorded selections)."""
     sha = config = None
-    if args.model:
-        import cdna2_engine
+    if args.model:  # its identity and config, read without loading it (V4-Flash would fill ~160 GB of host memory)
+        from cdna2_engine.checkpoint import checkpoint_sha256
+        from cdna2_engine.config import Config
 
-        model = cdna2_engine.load_model(str(_existing_dir(args.model, "--model")))
-        sha, config = model.checkpoint_sha256(), getattr(model, "config", None)
+        model = _existing_dir(args.model, "--model")
+        sha, config = checkpoint_sha256(model), Config.load(model)
     try:
         store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha, config=config)
     except goldens.GoldenError as e:

@@ -58,9 +58,29 @@ def test_goldens_build_then_verify(fake_engine, tmp_path, capsys):
     assert main(argv + ["--regen"]) == 0
     capsys.readouterr()
 
-    assert main(["goldens", "verify", str(out), "--model", str(fake_engine)]) == 0
+    assert main(["goldens", "verify", str(out)]) == 0
     assert capsys.readouterr().out.startswith(f"ok: {out}: 4 files verified, 2 prompts, model sha256 ")
-    other = write_fake_model(tmp_path / "other", seed=4)
+
+
+def test_goldens_verify_against_a_model_loads_no_weights(tmp_path, capsys, monkeypatch):
+    """--model is checked by its files' sha256 and its config.json (the recorded selections' bounds), as the
+    bundled engine that built the store names it, without loading it: V4-Flash would take ~160 GB of memory."""
+    import cdna2_engine
+
+    from tiny_configs import make_checkpoint, make_config
+
+    cfg = make_config("csa-only", vocab_size=256)  # byte-level prompts
+    model, other = make_checkpoint(tmp_path / "m", cfg, seed=1), make_checkpoint(tmp_path / "o", cfg, seed=2)
+    out = tmp_path / "g"
+    assert main(["goldens", "build", "--model", str(model), "--out", str(out), "--steps", "2", "--quiet"]) == 0
+    capsys.readouterr()
+
+    def no_load(*a, **k):
+        raise AssertionError("verify loaded the model")
+
+    monkeypatch.setattr(cdna2_engine, "load_model", no_load)
+    assert main(["goldens", "verify", str(out), "--model", str(model)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {out}: ")
     assert main(["goldens", "verify", str(out), "--model", str(other)]) == 1
     assert "but the model under test has sha256" in _err(capsys)
 
