@@ -250,14 +250,16 @@ def _is_perf(item: pytest.Item) -> bool:
 
 
 class _PerfLast:
-    """Sorts perf tests last (stable) after every other plugin's reordering (--ff, --nf, random orders): those
-    wrap pytest_collection_modifyitems too, and a tryfirst wrapper registered after theirs is the outermost, so
-    this sort runs last. pytest_runtest_setup still refuses a perf test that some correctness test follows."""
+    """Sorts weight-tier tests first and perf tests last (stable) after every other plugin's reordering (--ff,
+    --nf, random orders): those wrap pytest_collection_modifyitems too, and a tryfirst wrapper registered after
+    theirs is the outermost, so this sort runs last. Weight first: a broken checkpoint stops the run in its
+    reader's line before any engine loads it (V4-Flash: minutes, and ~160 GB). pytest_runtest_setup still refuses
+    a perf test that some correctness test follows."""
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
         result = yield
-        items.sort(key=_is_perf)
+        items.sort(key=lambda item: (_is_perf(item), item.get_closest_marker("weight") is None))
         return result
 
 

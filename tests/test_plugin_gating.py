@@ -52,6 +52,15 @@ def test_perf_runs_last_when_everything_passed(pytester):
     assert "test_bench" in lines[-1]  # defined first in the file, run last
 
 
+def test_weight_tier_runs_first(pytester):
+    """Defined fourth in the file, the weight test runs first: a broken checkpoint stops the run before the
+    token tier loads an engine from it."""
+    pytester.makepyfile(TESTS.format(ok2=True))
+    r = run(pytester, "--cdna2-perf-on-cpu", "-v")
+    ran = [line.split("::")[1].split()[0] for line in r.outlines if "::" in line and " PASSED" in line]
+    assert ran[0] == "test_weight" and ran[1:3] == ["test_tokens[True0]", "test_tokens[True1]"], ran
+
+
 def test_perf_skipped_naming_the_failed_tests(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
@@ -230,7 +239,7 @@ def test_perf_refuses_to_run_before_a_correctness_test(pytester):
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")
     r.assert_outcomes(passed=7, skipped=1)
     r.stdout.fnmatch_lines(["*cdna2 perf: 7 correctness test(s) not run yet (ordered after perf): "
-                            "test_perf_refuses_to_run_before_a_correctness_test.py::test_tokens[[]True0[]]*"])
+                            "test_perf_refuses_to_run_before_a_correctness_test.py::test_weight, *"])
 
 
 def test_terminal_summary_counts_setup_and_teardown_failures_as_errors(pytester):
