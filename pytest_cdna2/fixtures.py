@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pytest_cdna2 import report
-from pytest_cdna2.goldens import DEFAULT_PROMPTS, MANIFEST, GoldenError, GoldenStore, build_goldens
+from pytest_cdna2.goldens import DEFAULT_PROMPTS, MANIFEST, GoldenError, GoldenStore, build_goldens, read_manifest
 from pytest_cdna2.tolerance import Profile
 
 __all__ = [
@@ -256,12 +256,36 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
     if s.goldens_is_default and not s.goldens.exists():
         _stop(request, f"cdna2: golden store not found at {s.goldens}: the bundled goldens ship {_SOURCE_ONLY}; pass "
                        "--cdna2-goldens=DIR")
+    mismatch = store_model_mismatch(s)
+    if mismatch:
+        _stop(request, mismatch)
     model = request.getfixturevalue("cdna2_engine")
     sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
     try:
         return GoldenStore.open(s.goldens, expected_model_sha256=sha, config=getattr(model, "config", None))
     except GoldenError as e:
         _stop(request, f"cdna2: {e}")
+
+
+def store_model_mismatch(s: Settings) -> str | None:
+    """The store's manifest against --cdna2-model's config.json (vocab size, layers), two small files read at
+    collection (plugin) and again before the store's full open: goldens of another model (the bundled tiny
+    model's, when only --cdna2-model was given) otherwise showed only after the tiers before the token tier, an
+    engine load and a sha256 of the whole checkpoint, or, for an engine without checkpoint_sha256, as a shape
+    error in every token test. None when they agree or cannot be read here (the full open names what is wrong)."""
+    try:
+        manifest = read_manifest(s.goldens)
+        cfg = json.loads((s.model / "config.json").read_text(encoding="utf-8"))
+        have = (int(manifest["vocab_size"]), int(manifest["num_hidden_layers"]))
+        want = (int(cfg["vocab_size"]), int(cfg["num_hidden_layers"]))
+    except (GoldenError, OSError, ValueError, KeyError, TypeError):
+        return None
+    if have == want:
+        return None
+    which = "the bundled goldens (the bundled tiny model's)" if s.goldens_is_default else f"goldens at {s.goldens}"
+    return (f"cdna2: {which} were recorded from a model with vocab_size {have[0]} and {have[1]} layers, but "
+            f"--cdna2-model {s.model} has vocab_size {want[0]} and {want[1]} layers: pass --cdna2-goldens DIR with "
+            f"goldens built for it (`cdna2 goldens build --model {s.model} --out DIR`)")
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by b
     cdna2_record,
     cdna2_settings,
     cdna2_tolerance,
+    store_model_mismatch,
 )
 from pytest_cdna2.goldens import BUNDLED_GOLDENS
 from pytest_cdna2.report import TIERS, PerfGate, TierTally, tiers_of
@@ -303,6 +304,18 @@ class _Recorder:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.gate.picked = _picked_by_node_id(session)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Goldens recorded from another model stop the run before its first test when a selected test reads them
+    (under xdist the cdna2_golden fixture stops it instead: workers collect, the controller does not)."""
+    s = session.config.stash[SETTINGS]
+    if s.regen or hasattr(session.config, "workerinput"):
+        return
+    if any("cdna2_golden" in getattr(i, "fixturenames", ()) for i in session.items):
+        problem = store_model_mismatch(s)
+        if problem:
+            raise pytest.UsageError(problem)
 
 
 def _picked_by_node_id(session: pytest.Session) -> list[str]:

@@ -71,6 +71,22 @@ def test_goldens_of_another_model_are_refused_and_stop_the_run(pytester, store):
     ])
 
 
+def test_goldens_of_another_model_size_stop_the_run_before_its_first_test(pytester):
+    """Only --cdna2-model given (V4-Flash's config here): the bundled goldens are the tiny model's, which its
+    config.json shows at collection, before any test runs or engine loads; a run selecting no test that reads the
+    goldens (the weight tier alone) goes on."""
+    folder = write_fake_model(pytester.path / "flash", seed=1)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 129280, "num_hidden_layers": 43}))
+    pytester.makepyfile(TOKEN_TEST + "\ndef test_plain():\n    pass\n")
+    before = len(fake.LOADS)
+    r = run(pytester, ENGINE, "--cdna2-model=flash")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and fake.LOADS[before:] == []
+    r.stderr.fnmatch_lines(["ERROR: cdna2: the bundled goldens (the bundled tiny model's) were recorded from a model "
+                            "with vocab_size 256 and 4 layers, but --cdna2-model */flash has vocab_size 129280 and 43 "
+                            "layers: pass --cdna2-goldens DIR with goldens built for it*"])
+    run(pytester, ENGINE, "--cdna2-model=flash", "-k", "plain").assert_outcomes(passed=1)
+
+
 def test_one_flipped_byte_stops_the_run_with_a_checksum_message(pytester, store):
     f = store / "greedy.safetensors"
     want = sha256_file(f)
