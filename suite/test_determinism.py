@@ -3,6 +3,8 @@ does not depend on its batch neighbours, incremental decode reproduces the prefi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -47,9 +49,13 @@ def test_devices_agree(cdna2_devices, cdna2_settings, cdna2_tolerance, cdna2_rec
     s = cdna2_settings
     factory = resolve_factory(s.engine)
     outs = []
-    for dev in cdna2_devices:
+    for dev in cdna2_devices:  # one of these engines at a time: each may take a device's memory (V4-Flash)
         eng = factory(str(s.model), device=str(dev), backend=s.backend, **engine_kwargs(factory, s))
         outs.append(eng.forward(_ids(eng)).cpu())
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     for dev, out in zip(cdna2_devices[1:], outs[1:], strict=True):
         diff = (out - outs[0]).abs().max().item()
         cdna2_record("device_max_abs", diff, cdna2_tolerance.determinism.device_max_abs, what=str(dev))
