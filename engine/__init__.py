@@ -51,6 +51,32 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype {dtype} is not a float compute dtype: use one of {sorted(_DTYPES)}")
+    _check_fits(Path(path), device)
     cfg, weights = read_checkpoint(path)
     ops = get_ops(backend, reference_ops)
     return Model(cfg, weights, device=device, dtype=dtype, ops=ops, source=str(path))
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory the weights can take on `device`: the GPU's free memory, or the host's MemAvailable (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _check_fits(folder: Path, device: torch.device) -> None:
+    """One line before a copy that cannot fit: the engine holds every weight on one device (on the CPU, stacking
+    the experts copies them out of the memory-mapped files), so V4-Flash (~160 GB) on one GPU or a smaller host
+    ran out of memory after minutes of copying, or had the kernel end the process with no summary."""
+    need = sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    free = _free_bytes(device)
+    if free is not None and need > free:
+        where = f"{device} has {free / 1e9:.1f} GB free" if device.type == "cuda" else \
+            f"the host has {free / 1e9:.1f} GB available"
+        raise ValueError(f"{folder}: its weights take {need / 1e9:.1f} GB and {where}: the bundled engine holds a "
+                         "model on one device; use a larger one, or an engine that spreads it "
+                         "(--cdna2-engine=module:factory)")

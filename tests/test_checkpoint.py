@@ -861,3 +861,18 @@ def test_stream_holds_one_tensor_at_a_time(good):
         del value, parts
     # 3: a weight and its scale, and the reader's local still naming the tensor before them until it resumes
     assert n > 50 and most <= 3, f"{most} tensors alive at once over {n} values"
+
+
+def test_a_model_larger_than_the_device_is_refused_before_loading(good, monkeypatch):
+    """The bundled engine holds every weight on one device: V4-Flash (~160 GB) on one GPU ran out of memory after
+    minutes of copying. The files' size against the device's free memory (here made smaller than the files)."""
+    import cdna2_engine
+
+    size = sum(p.stat().st_size for p in good.glob("*.safetensors"))
+    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: size - 1)
+    with pytest.raises(ValueError, match=r"its weights take \S+ GB and the host has \S+ GB available: the bundled "
+                                         r"engine holds a model on one device") as e:
+        load_model(good)
+    one_line(e, good, "--cdna2-engine")
+    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: size)
+    load_model(good)
