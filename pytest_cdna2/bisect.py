@@ -100,7 +100,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     """`cdna2 bisect`: judge every golden prompt as the token tier does (pytest_cdna2.judge), and for the
     first that fails name its first drifting tap (golden selections forced, so near-tie flips do not move
     the taps) and, on the bundled triton backend, the first op whose reference twin makes it pass."""
-    from pytest_cdna2.fixtures import resolve_factory
+    from pytest_cdna2.fixtures import resolve_factory, takes_dtype
     from pytest_cdna2.goldens import GoldenStore
     from pytest_cdna2.judge import forced_selections, judge_prompt
     from pytest_cdna2.tolerance import load_profile
@@ -109,7 +109,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     factory = resolve_factory(engine, option="--engine")
 
     def load(reference_ops: list[str] | None = None):
-        kw = {"dtype": dtype} if engine == "bundled" else {}
+        kw = {"dtype": dtype} if takes_dtype(factory) else {}
         if reference_ops is not None:
             kw["reference_ops"] = reference_ops
         return factory(str(model_dir), device=device, backend=backend, **kw)

@@ -64,7 +64,7 @@ def _count(text: str) -> int:
 
 
 def cmd_goldens_build(args: argparse.Namespace) -> int:
-    """Compute goldens with the reference engine (float64 by default) into ``--out``."""
+    """Compute goldens with the reference engine (float64 by default) or ``--engine`` on ``--device`` into ``--out``."""
     model = _existing_dir(args.model, "--model")
     steps = args.steps
     if min(steps) < 1:
@@ -72,7 +72,8 @@ def cmd_goldens_build(args: argparse.Namespace) -> int:
     prompts = goldens.load_prompts(args.prompts) if args.prompts else None
     store = goldens.build_goldens(
         model, args.out, prompts, steps if len(steps) > 1 else steps[0], dtype=args.dtype, backend=args.backend,
-        regen=args.regen, tap_prompts=args.tap_prompts, progress=not args.quiet,
+        engine=args.engine, device=_one_device(args.device), regen=args.regen, tap_prompts=args.tap_prompts,
+        progress=not args.quiet,
     )
     files = ", ".join(store.manifest["files"])
     print(f"wrote {len(store.prompts)} prompts x {store.steps} steps to {store.path} ({files})")
@@ -164,13 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("goldens", help="build or verify a golden store")
     gsub = g.add_subparsers(dest="goldens_command", required=True, metavar="ACTION")
-    b = gsub.add_parser("build", help="compute goldens with the reference engine")
+    b = gsub.add_parser("build", help="compute goldens with the reference engine (or --engine)")
     b.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
     b.add_argument("--out", required=True, metavar="DIR", help="golden store folder to create")
     b.add_argument("--prompts", metavar="FILE", help="JSON list of strings, or one prompt per line")
     b.add_argument("--steps", default=[32], type=_steps, metavar="N[,N...]",
                    help="greedy steps per prompt (default 32); a list gives the first prompts theirs, the last repeats")
-    b.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="reference dtype")
+    b.add_argument("--dtype", default="float64", choices=("float64", "float32"),
+                   help="the engine's dtype (default float64; passed when its factory takes dtype)")
+    b.add_argument("--engine", default="bundled",
+                   help="bundled (the float64 reference) or module:factory: an engine you trust that holds the model")
+    b.add_argument("--device", default="cpu",
+                   help="one device: cpu, N or cuda:N as --cdna2-device, or another torch device name")
     b.add_argument("--backend", default="reference", choices=("reference", "triton"), help=argparse.SUPPRESS)
     b.add_argument("--tap-prompts", type=_count, metavar="K",
                    help="record per-layer taps for the first K prompts only (default all; taps are the bulk)")

@@ -107,16 +107,20 @@ def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., 
     return obj
 
 
-def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, Any]:
-    """{"dtype": ...} for factories that accept it (the bundled one does; a user's may not)."""
+def takes_dtype(factory: Callable[..., Any]) -> bool:
+    """Whether an engine factory accepts ``dtype=`` (the bundled one does; a user's may not)."""
     import inspect
 
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        return {}
-    takes = "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return {"dtype": settings.dtype} if takes else {}
+        return False
+    return "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, Any]:
+    """{"dtype": ...} for factories that accept it."""
+    return {"dtype": settings.dtype} if takes_dtype(factory) else {}
 
 
 def regenerate_goldens(settings: Settings) -> GoldenStore:

@@ -729,6 +729,8 @@ def build_goldens(
     dtype: torch.dtype | str = torch.float64,
     backend: str = "reference",
     model: Any = None,
+    engine: str = "bundled",
+    device: str = "cpu",
     regen: bool = False,
     tolerance_profile: str = "default",
     seed: int = 0,
@@ -740,8 +742,9 @@ def build_goldens(
 
     Per prompt: greedy ``generate`` for ``steps`` tokens (tokens + logits), then one teacher-forced
     ``trace`` over prompt + continuation for logits, per-layer taps and sparse selections with margins.
-    ``model`` skips loading (a user's engine, or a model already loaded); else ``cdna2_engine.load_model``
-    loads ``model_dir`` on the CPU with ``backend`` and ``dtype``.
+    ``model`` skips loading (a model already loaded); else ``engine`` (``bundled``: ``cdna2_engine.load_model``,
+    or ``module:factory``) loads ``model_dir`` on ``device`` with ``backend`` and, when its factory takes one,
+    ``dtype``: V4-Flash's goldens need an engine that holds it (float64 on the CPU would take days).
     """
     from tqdm import tqdm
 
@@ -754,9 +757,11 @@ def build_goldens(
             raise ValueError(f"unknown floating dtype {dtype!r}")
     writer = GoldenWriter(out_dir, regen=regen)  # refuse an existing store before the slow part
     if model is None:
-        import cdna2_engine
+        from pytest_cdna2.fixtures import resolve_factory, takes_dtype
 
-        model = cdna2_engine.load_model(str(model_dir), device="cpu", backend=backend, dtype=dtype)
+        factory = resolve_factory(engine, option="--engine")
+        kw = {"dtype": dtype} if takes_dtype(factory) else {}
+        model = factory(str(model_dir), device=device, backend=backend, **kw)
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
         raise ValueError("no prompts")

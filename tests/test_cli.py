@@ -62,6 +62,27 @@ def test_goldens_build_then_verify(fake_engine, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"ok: {out}: 4 files verified, 2 prompts, model sha256 ")
 
 
+def test_goldens_build_with_an_engine_on_a_device(tmp_path, capsys):
+    """--engine module:factory and --device: goldens from an engine that holds the model (the bundled float64
+    reference on the CPU would take days for V4-Flash); the manifest names the engine. A bad --engine is one line
+    and writes nothing."""
+    import test_plugin_fake_engine as fake
+
+    model, out = write_fake_model(tmp_path / "m", seed=3), tmp_path / "g"
+    before = len(fake.LOADS)
+    argv = ["goldens", "build", "--model", str(model), "--out", str(out), "--steps", "2", "--quiet",
+            "--engine", "test_plugin_fake_engine:make_model", "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert fake.LOADS[before:] == [(str(model), "cpu", "reference")]
+    store = GoldenStore.open(out, expected_model_sha256=make_model(str(model)).checkpoint_sha256())
+    assert store.manifest["versions"]["engine"].startswith("test_plugin_fake_engine ")
+    capsys.readouterr()
+
+    bad = ["goldens", "build", "--model", str(model), "--out", str(tmp_path / "g2"), "--engine", "nope:make"]
+    assert main(bad) == 2
+    assert "--engine=nope:make: cannot import 'nope'" in _err(capsys) and not (tmp_path / "g2").exists()
+
+
 def test_goldens_verify_against_a_model_loads_no_weights(tmp_path, capsys, monkeypatch):
     """--model is checked by its files' sha256 and its config.json (the recorded selections' bounds), as the
     bundled engine that built the store names it, without loading it: V4-Flash would take ~160 GB of memory."""
