@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = gsub.add_parser("build", help="compute goldens with the reference engine (or --engine)")
     b.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
     b.add_argument("--out", required=True, metavar="DIR", help="golden store folder to create")
-    b.add_argument("--prompts", metavar="FILE", help="JSON list of strings, or one prompt per line")
+    b.add_argument("--prompts", metavar="FILE",
+                   help="JSON list of strings or of token-id lists, or one prompt per line")
     b.add_argument("--steps", default=[32], type=_steps, metavar="N[,N...]",
                    help="greedy steps per prompt (default 32); a list gives the first prompts theirs, the last repeats")
     b.add_argument("--dtype", default="float64", choices=("float64", "float32"),

@@ -125,14 +125,14 @@ def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, 
 
 def regenerate_goldens(settings: Settings) -> GoldenStore:
     """Rebuild the goldens with the float64 reference on the CPU, keeping the old prompts and steps."""
-    prompts: list[bytes] = list(DEFAULT_PROMPTS)
+    prompts: list[bytes | list[int]] = list(DEFAULT_PROMPTS)
     steps: int | list[int] = 32
     tap_prompts = None
     manifest = settings.goldens / MANIFEST
     if manifest.exists():  # unverified on purpose: only its prompts and steps are reused
         try:
             old = json.loads(manifest.read_text(encoding="utf-8"))
-            prompts = [bytes(p["tokens"]) for p in old["prompts"]] or prompts
+            prompts = [list(p["tokens"]) for p in old["prompts"]] or prompts  # token ids: any vocabulary
             steps = old.get("steps", steps)
             steps = [int(n) for n in steps] if isinstance(steps, list) else int(steps)
             tap_prompts = old.get("tap_prompts")

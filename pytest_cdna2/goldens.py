@@ -81,8 +81,15 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def encode_prompt(text: bytes | str, vocab_size: int | None = None) -> torch.Tensor:
-    """Byte-level token ids (token = byte value) as a LongTensor [T]; str is encoded as UTF-8."""
+def encode_prompt(text: bytes | str | Sequence[int], vocab_size: int | None = None) -> torch.Tensor:
+    """Token ids as a LongTensor [T]: a list of ids as given (a real model's tokenizer made them: byte-level ids
+    are arbitrary tokens in V4-Flash's vocabulary), else byte-level (token = byte value; str encoded as UTF-8)."""
+    if isinstance(text, (list, tuple)):
+        if not text or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in text):
+            raise ValueError("a token-id prompt must be a non-empty list of token ids >= 0")
+        if vocab_size is not None and max(text) >= vocab_size:
+            raise ValueError(f"token id {max(text)} is outside the model's vocabulary of {vocab_size}")
+        return torch.tensor(list(text), dtype=torch.long)
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     if not data:
         raise ValueError("empty prompt")
@@ -134,8 +141,9 @@ DEFAULT_PROMPTS: tuple[bytes, ...] = (
 )
 
 
-def load_prompts(path: str | Path) -> list[bytes]:
-    """Prompts from a file: ``.json`` is a list of strings; anything else is one prompt per non-empty line."""
+def load_prompts(path: str | Path) -> list[bytes | list[int]]:
+    """Prompts from a file: ``.json`` is a list of strings or of token-id lists (what your tokenizer made);
+    anything else is one prompt per non-empty line."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -146,9 +154,13 @@ def load_prompts(path: str | Path) -> list[bytes]:
             data = json.loads(raw)
         except json.JSONDecodeError as e:
             raise GoldenError(f"prompts file {path}: not valid JSON: {e}") from None
-        if not isinstance(data, list) or not all(isinstance(p, str) and p for p in data):
-            raise GoldenError(f"prompts file {path}: expected a JSON list of non-empty strings")
-        prompts = [p.encode("utf-8") for p in data]
+        def ids(p: object) -> bool:
+            return isinstance(p, list) and bool(p) and all(type(t) is int and t >= 0 for t in p)
+
+        if not isinstance(data, list) or not all((isinstance(p, str) and p) or ids(p) for p in data):
+            raise GoldenError(f"prompts file {path}: expected a JSON list of non-empty strings or of non-empty "
+                              "token-id lists ([[1, 2, 3], ...])")
+        prompts = [p.encode("utf-8") if isinstance(p, str) else p for p in data]
     else:
         prompts = [line for line in raw.splitlines() if line.strip()]
     if not prompts:
@@ -723,7 +735,7 @@ def _versions(model: Any) -> dict[str, str | None]:
 def build_goldens(
     model_dir: str | Path | None,
     out_dir: str | Path,
-    prompts: Sequence[bytes | str] | None = None,
+    prompts: Sequence[bytes | str | Sequence[int]] | None = None,
     steps: int | Sequence[int] = 32,
     *,
     dtype: torch.dtype | str = torch.float64,
@@ -811,7 +823,8 @@ def build_goldens(
                 sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
                 margin = sel.margin if sel.margin is not None else torch.full(sel.indices.shape[:2], math.inf)
                 sels[f"{name}.{layer}.{kind}.margin"] = margin[0]
-            raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+            raw = text.encode("utf-8") if isinstance(text, str) else b"" if isinstance(text, (list, tuple)) \
+                else bytes(text)
             entries.append({"name": name, "text": raw.decode("utf-8", "replace"), "tokens": ids.tolist(),
                             "seed": seed, "continuation": toks.tolist()})
         writer.write("teacher.safetensors", teacher)

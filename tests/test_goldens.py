@@ -217,6 +217,24 @@ def test_prompts_encoding_and_files(tmp_path):
         load_prompts(tmp_path / "missing.txt")
 
 
+def test_token_id_prompts(tmp_path):
+    """Prompts as token ids (a real model's tokenizer made them: byte-level ids are arbitrary tokens in V4-Flash's
+    vocabulary): taken as given, range-checked against the model's vocabulary, and mixable with text in a file."""
+    assert encode_prompt([0, 129279, 5], vocab_size=129280).tolist() == [0, 129279, 5]
+    with pytest.raises(ValueError, match="token id 129280 is outside the model's vocabulary of 129280"):
+        encode_prompt([1, 129280], vocab_size=129280)
+    for bad in ([], [1, -2], [1, 2.0], [True]):
+        with pytest.raises(ValueError, match="non-empty list of token ids >= 0"):
+            encode_prompt(bad)
+    assert encode_prompt([7, 9], vocab_size=100).tolist() == [7, 9]  # no byte-level vocabulary rule for ids
+    (tmp_path / "p.json").write_text(json.dumps([[100, 200000, 3], "ab"]))
+    assert load_prompts(tmp_path / "p.json") == [[100, 200000, 3], b"ab"]
+    for bad in ([[]], [[1, "2"]], [[1.5]], [[-1]]):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(GoldenError, match="or of non-empty token-id lists"):
+            load_prompts(tmp_path / "bad.json")
+
+
 def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
     """A manifest whose model_sha256 is null cannot be tied to the model under test: one line, the fix."""
     _write(tmp_path / "g", model_sha=None)

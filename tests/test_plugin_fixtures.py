@@ -104,10 +104,10 @@ def real_store(pytester):
     reference, whatever engine is under test, so it needs a checkpoint that engine reads."""
     from tiny_configs import make_checkpoint, make_config
 
-    cfg = make_config("csa-only", vocab_size=256)
+    cfg = make_config("csa-only", vocab_size=300)
     a = make_checkpoint(pytester.path / "a", cfg, seed=1)
     make_checkpoint(pytester.path / "b", cfg, seed=2)
-    build_goldens(a, pytester.path / "goldens", [b"hello", b"def f("], 4, progress=False)
+    build_goldens(a, pytester.path / "goldens", [b"hello", [299, 7, 280, 1]], 4, progress=False)  # text, token ids
     pytester.makepyfile(TOKEN_TEST)
     return pytester.path / "goldens"
 
@@ -127,7 +127,7 @@ def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, rea
     assert manifest["model_sha256"] == checkpoint_sha256(pytester.path / "b")
     assert manifest["dtype"] == "float64" and manifest["backend"] == "reference"
     assert manifest["tolerance_profile"] == "default"  # as `cdna2 goldens build` (and build_goldens) record it
-    assert [bytes(p["tokens"]) for p in manifest["prompts"]] == [b"hello", b"def f("]  # prompts kept
+    assert [p["tokens"] for p in manifest["prompts"]] == [list(b"hello"), [299, 7, 280, 1]]  # prompts kept
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".goldens")) == []
     run(pytester, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
 
