@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu",
                    help="one device: cpu, N or cuda:N as --cdna2-device, or another torch device name")
     b.add_argument("--backend", default="reference", choices=("reference", "triton"), help=argparse.SUPPRESS)
-    b.add_argument("--tap-prompts", type=_count, metavar="K",
-                   help="record per-layer taps for the first K prompts only (default all; taps are the bulk)")
+    b.add_argument("--tap-prompts", type=_count, metavar="K", default=4,
+                   help="record per-layer taps for the first K prompts only (default 4, as the bundled store: taps "
+                        "are the bulk of a store, gigabytes a prompt at V4-Flash's size; bisect reads any prompt's)")
     b.add_argument("--regen", action="store_true", help="replace an existing store at --out")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_goldens_build)

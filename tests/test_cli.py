@@ -95,6 +95,8 @@ def test_goldens_verify_against_a_model_loads_no_weights(tmp_path, capsys, monke
     out = tmp_path / "g"
     assert main(["goldens", "build", "--model", str(model), "--out", str(out), "--steps", "2", "--quiet"]) == 0
     capsys.readouterr()
+    store = GoldenStore.open(out)  # taps, the bulk of a store, for the first 4 of the 16 default prompts only
+    assert [bool(store.taps(p.name)) for p in store.prompts] == [True] * 4 + [False] * 12
 
     def no_load(*a, **k):
         raise AssertionError("verify loaded the model")
