@@ -58,9 +58,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """Memory the weights can take on `device`: the GPU's free memory, or the host's MemAvailable (Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    """Memory the weights can take on `device`: the GPU's free memory (with blocks torch cached after an earlier
+    model was dropped), or the host's MemAvailable (Linux)."""
+    if device.type == "cuda":  # the driver's free memory plus what torch's caching allocator holds unused
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
