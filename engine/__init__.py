@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, convert_hf_checkpoint, read_checkpoint
+from .checkpoint import CheckpointError, convert_hf_checkpoint, read_checkpoint, weight_bytes
 from .config import Config, ConfigError
 from .model import Generation, Model, Selection, Trace
 from .ops import get_ops
@@ -59,26 +59,44 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", backend:
 
 def _free_bytes(device: torch.device) -> int | None:
     """Memory the weights can take on `device`: the GPU's free memory (with blocks torch cached after an earlier
-    model was dropped), or the host's MemAvailable (Linux)."""
+    model was dropped), or the host's MemAvailable (Linux), lowered to a cgroup v2 limit's headroom (a container)."""
     if device.type == "cuda":  # the driver's free memory plus what torch's caching allocator holds unused
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
             torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def _check_fits(folder: Path, device: torch.device) -> None:
     """One line before a copy that cannot fit: the engine holds every weight on one device (on the CPU, stacking
-    the experts copies them out of the memory-mapped files), so V4-Flash (~160 GB) on one GPU or a smaller host
-    ran out of memory after minutes of copying, or had the kernel end the process with no summary."""
-    need = sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.is_dir() else 0
-    free = _free_bytes(device)
+    the experts copies them out of the memory-mapped files: ~94% of V4-Flash), so V4-Flash (~160 GB) on one GPU or
+    a smaller host ran out of memory after minutes of copying, or had the kernel end the process with no summary.
+    The bytes are the tensors the reader loads (MTP's left out), from the files' headers."""
+    if not folder.is_dir():
+        return  # read_checkpoint names it
+    need, free = weight_bytes(folder), _free_bytes(device)
     if free is not None and need > free:
-        where = f"{device} has {free / 1e9:.1f} GB free" if device.type == "cuda" else \
-            f"the host has {free / 1e9:.1f} GB available"
-        raise ValueError(f"{folder}: its weights take {need / 1e9:.1f} GB and {where}: the bundled engine holds a "
+        where = f"{device} has {_size(free)} free" if device.type == "cuda" else \
+            f"the host has {_size(free)} available"
+        raise ValueError(f"{folder}: its weights take {_size(need)} and {where}: the bundled engine holds a "
                          "model on one device; use a larger one, or an engine that spreads it "
                          "(--cdna2-engine=module:factory)")

@@ -128,28 +128,50 @@ _DENSE = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 # ----------------------------------------------------------------------------------------------- reading
 
 
+def _index(folder: Path) -> tuple[list[str], dict[str, str] | None]:
+    """(shard file names, the index's key -> file map or None): the index's files when there is one, else every
+    *.safetensors in the folder."""
+    index = folder / INDEX_FILE
+    if not index.exists():
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors files: point at a checkpoint folder")
+        return files, None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map keys to shard file names")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{index}: not UTF-8 text ({e.reason} at byte {e.start}): regenerate it as "
+                              "UTF-8 JSON") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e}): regenerate it") from None
+    return sorted(set(weight_map.values())), weight_map
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, as the reader finds them (its index's, else every one in the folder)."""
+    return [Path(path) / name for name in _index(Path(path))[0]]
+
+
+def weight_bytes(path: str | Path) -> int:
+    """Bytes of the tensors the reader loads (every key but MTP's), from the files' headers: no tensor is read."""
+    files = _Files(Path(path))
+    total = 0
+    for name in sorted(set(files.where.values())):
+        with open(files.folder / name, "rb") as f:  # safetensors: u64 header length, then a JSON header
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                     if k != "__metadata__" and not k.startswith("mtp."))
+    return total
+
+
 class _Files:
     """Lazy access to one safetensors file or a sharded set, key -> file; memory-mapped by safetensors."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        index = folder / INDEX_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                    raise TypeError("weight_map must map keys to shard file names")
-            except UnicodeDecodeError as e:
-                raise CheckpointError(f"{index}: not UTF-8 text ({e.reason} at byte {e.start}): regenerate it as "
-                                      "UTF-8 JSON") from None
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index ({e}): regenerate it") from None
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{folder}: no *.safetensors files: point at a checkpoint folder")
-            weight_map = None
+        files, weight_map = _index(folder)
         self.handles, self.where = {}, {}
         self.names: dict[str, tuple[str, object]] = {}  # official name -> (file key, stacked slice)
         for name in files:

@@ -6,7 +6,6 @@ assert on what the pass found; each failure is one line per tensor."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from cdna2_engine import formats
+from cdna2_engine.checkpoint import shard_files
 
 FP8, MXFP4, SCALES, ROUND_TRIP = "fp8", "mxfp4", "scales", "round_trip"
 
@@ -35,13 +35,8 @@ class WeightScan:
 
 def packed_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, weight, scale) for every tensor stored with a `.scale`, one at a time, in file and key order."""
-    index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors files: point --cdna2-model at a checkpoint folder")
-    for name in files:
-        with safe_open(str(model_dir / name), "pt") as f:
+    for path in shard_files(model_dir):  # a bad index or no files: CheckpointError, the reader's one line
+        with safe_open(str(path), "pt") as f:
             keys = set(f.keys())
             for k in sorted(keys):
                 scale_key = k.removesuffix(".weight") + ".scale"

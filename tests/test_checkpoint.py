@@ -863,19 +863,42 @@ def test_stream_holds_one_tensor_at_a_time(good):
     assert n > 50 and most <= 3, f"{most} tensors alive at once over {n} values"
 
 
-def test_a_model_larger_than_the_device_is_refused_before_loading(good, monkeypatch):
+def test_a_model_larger_than_the_device_is_refused_before_loading(good, tmp_path, monkeypatch):
     """The bundled engine holds every weight on one device: V4-Flash (~160 GB) on one GPU ran out of memory after
-    minutes of copying. The files' size against the device's free memory (here made smaller than the files)."""
+    minutes of copying. The bytes of the tensors it loads (an MTP shard beside them left out, as the reader leaves
+    its keys) against the device's free memory, here made one byte too small, then just enough."""
     import cdna2_engine
 
-    size = sum(p.stat().st_size for p in good.glob("*.safetensors"))
-    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: size - 1)
-    with pytest.raises(ValueError, match=r"its weights take \S+ GB and the host has \S+ GB available: the bundled "
-                                         r"engine holds a model on one device") as e:
-        load_model(good)
-    one_line(e, good, "--cdna2-engine")
-    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: size)
-    load_model(good)
+    folder = Path(shutil.copytree(good, tmp_path / "m"))
+    stored = load_file(str(folder / ST))
+    save_file({"mtp.0.w": torch.zeros(1000, 1000)}, str(folder / "mtp.safetensors"))
+    need = sum(t.nbytes for t in stored.values())
+    assert checkpoint.weight_bytes(folder) == need
+    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=rf"its weights take {need / 1e3:.1f} KB and the host has "
+                                         rf"{(need - 1) / 1e3:.1f} KB available: the bundled engine holds a model "
+                                         "on one device") as e:
+        load_model(folder)
+    one_line(e, folder, "--cdna2-engine")
+    monkeypatch.setattr(cdna2_engine, "_free_bytes", lambda device: need)
+    load_model(folder)
+
+
+def test_free_host_memory_is_read_in_bytes():
+    """MemAvailable (kB in /proc/meminfo) in bytes: at least the free pages (sysconf) unless a container's cgroup
+    limit lowers it, at most the physical memory."""
+    import os
+
+    import cdna2_engine
+
+    free = cdna2_engine._free_bytes(torch.device("cpu"))
+    if free is None:
+        pytest.skip("no /proc/meminfo here")
+    page = os.sysconf("SC_PAGE_SIZE")
+    limited = Path("/sys/fs/cgroup/memory.max").is_file() and \
+        Path("/sys/fs/cgroup/memory.max").read_text().strip() != "max"
+    assert free <= os.sysconf("SC_PHYS_PAGES") * page
+    assert limited or free >= os.sysconf("SC_AVPHYS_PAGES") * page // 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -884,7 +907,10 @@ def test_free_bytes_counts_blocks_torch_cached_gpu():
     blocks in torch's caching allocator, which the driver does not count as free: they are free to the next."""
     import cdna2_engine
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dev, gib = torch.device("cuda", torch.cuda.current_device()), 1 << 30
+    x = torch.empty(gib, dtype=torch.uint8, device=dev)
+    live = torch.empty(gib, dtype=torch.uint8, device=dev)  # held: not free to anyone
     del x  # 1 GiB now cached by the allocator, not returned to the driver
-    assert cdna2_engine._free_bytes(dev) >= torch.cuda.mem_get_info(dev)[0] + (1 << 30)
+    driver = torch.cuda.mem_get_info(dev)[0]
+    assert driver + gib <= cdna2_engine._free_bytes(dev) < driver + 2 * gib
+    del live
