@@ -85,11 +85,13 @@ def cmd_goldens_verify(args: argparse.Namespace) -> int:
     bounds the recorded selections)."""
     sha = config = None
     if args.model:  # its identity and config, read without loading it (V4-Flash would fill ~160 GB of host memory)
-        from cdna2_engine.checkpoint import checkpoint_sha256
+        from cdna2_engine.checkpoint import checkpoint_sha256, shard_files
         from cdna2_engine.config import Config
 
         model = _existing_dir(args.model, "--model")
-        sha, config = checkpoint_sha256(model), Config.load(model)
+        config = Config.load(model)  # a folder without config.json or weights is no checkpoint: its one line
+        shard_files(model)
+        sha = checkpoint_sha256(model)
     try:
         store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha, config=config)
     except goldens.GoldenError as e:

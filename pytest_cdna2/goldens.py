@@ -732,6 +732,16 @@ def _versions(model: Any) -> dict[str, str | None]:
             "pytest_cdna2": ver("pytest-cdna2"), "python": sys.version.split()[0]}
 
 
+def _folder_sha256(model_dir: str | Path | None) -> str | None:
+    """An official-layout folder's sha256 as the bundled engine names it (so `verify --model` and the bundled
+    engine can tie the store to it) for an engine that names none; None for a folder in an engine's own format."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    from cdna2_engine.checkpoint import checkpoint_sha256
+
+    return checkpoint_sha256(model_dir)
+
+
 def build_goldens(
     model_dir: str | Path | None,
     out_dir: str | Path,
@@ -772,7 +782,7 @@ def build_goldens(
         from pytest_cdna2.fixtures import resolve_factory, takes_dtype
 
         factory = resolve_factory(engine, option="--engine")
-        kw = {"dtype": dtype} if takes_dtype(factory) else {}
+        kw = {"dtype": str(dtype).removeprefix("torch.")} if takes_dtype(factory) else {}  # a name, as pytest passes
         model = factory(str(model_dir), device=device, backend=backend, **kw)
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
@@ -787,23 +797,30 @@ def build_goldens(
     else:
         tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn"))
     device = getattr(model, "device", "cpu")
-    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
+    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else _folder_sha256(model_dir)
     torch.manual_seed(seed)
+
+    width = len(str(len(prompts) - 1))
+    names = [f"p{i:0{max(2, width)}d}" for i in range(len(prompts))]
+    encoded, limit = [], getattr(cfg, "max_position_embeddings", None)
+    for name, text, n in zip(names, prompts, per_prompt, strict=True):  # every prompt before any compute
+        try:
+            ids = encode_prompt(text, vocab)
+        except ValueError as e:
+            raise ValueError(f"prompt {name}: {e}") from None
+        if limit is not None and len(ids) + n > int(limit):
+            raise ValueError(f"prompt {name}: {len(ids)} tokens + {n} steps exceed the model's "
+                             f"max_position_embeddings {int(limit)}: lower the steps (--steps)")
+        encoded.append(ids)
 
     teacher: dict[str, torch.Tensor] = {}
     greedy: dict[str, torch.Tensor] = {}
     tapd: dict[str, torch.Tensor] = {}
     sels: dict[str, torch.Tensor] = {}
     entries = []
-    width = len(str(len(prompts) - 1))
     with writer, torch.no_grad():
         for i, text in enumerate(tqdm(prompts, desc="goldens", unit="prompt", disable=not progress)):
-            name = f"p{i:0{max(2, width)}d}"
-            ids = encode_prompt(text, vocab)
-            limit = getattr(cfg, "max_position_embeddings", None)
-            if limit is not None and len(ids) + per_prompt[i] > int(limit):
-                raise ValueError(f"prompt {name}: {len(ids)} tokens + {per_prompt[i]} steps exceed the model's "
-                                 f"max_position_embeddings {int(limit)}: lower the steps (--steps)")
+            name, ids = names[i], encoded[i]
             gen = model.generate(ids[None].to(device), per_prompt[i])
             toks = gen.tokens[0].detach().cpu().long()
             seq = torch.cat([ids, toks[:-1]])

@@ -40,8 +40,9 @@ def test_incremental_decode_matches_prefill(cdna2_engine, cdna2_tolerance, cdna2
     assert diff <= limit, f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"
 
 
-def test_devices_agree(cdna2_devices, cdna2_settings, cdna2_tolerance, cdna2_record):
-    """The same model on every selected device (GCD vs GCD) gives the same logits."""
+def test_devices_agree(cdna2_devices, cdna2_device, cdna2_engine, cdna2_settings, cdna2_tolerance, cdna2_record):
+    """The same model on every selected device (GCD vs GCD) gives the same logits: the session's engine on its
+    device, one more engine at a time on each other (each may take a device's memory: V4-Flash)."""
     if len(cdna2_devices) < 2:
         pytest.skip("needs several devices: --cdna2-device=N,M or all")
     from pytest_cdna2.fixtures import engine_kwargs, resolve_factory
@@ -49,7 +50,10 @@ def test_devices_agree(cdna2_devices, cdna2_settings, cdna2_tolerance, cdna2_rec
     s = cdna2_settings
     factory = resolve_factory(s.engine)
     outs = []
-    for dev in cdna2_devices:  # one of these engines at a time: each may take a device's memory (V4-Flash)
+    for dev in cdna2_devices:
+        if dev == cdna2_device:
+            outs.append(cdna2_engine.forward(_ids(cdna2_engine)).cpu())
+            continue
         eng = factory(str(s.model), device=str(dev), backend=s.backend, **engine_kwargs(factory, s))
         outs.append(eng.forward(_ids(eng)).cpu())
         del eng

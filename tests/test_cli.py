@@ -83,6 +83,36 @@ def test_goldens_build_with_an_engine_on_a_device(tmp_path, capsys):
     assert "--engine=nope:make: cannot import 'nope'" in _err(capsys) and not (tmp_path / "g2").exists()
 
 
+class _Unnamed:
+    """An engine that names no checkpoint sha256 (the Model API does not ask for one)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "checkpoint_sha256":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def make_unnamed(path: str, *, device: str = "cpu", backend: str = "reference", dtype: str | None = None):
+    assert isinstance(dtype, str), f"dtype passed as {dtype!r}, not a name as pytest and bisect pass it"
+    return _Unnamed(make_model(path, device=device, backend=backend))
+
+
+def test_goldens_of_an_engine_without_a_sha_name_the_folder(tmp_path, capsys):
+    """The store is tied to an official-layout folder by its sha256 when the engine names none, so `verify
+    --model` accepts it; dtype reaches the factory as a name."""
+    from cdna2_engine.checkpoint import checkpoint_sha256
+
+    model = write_fake_model(tmp_path / "m", seed=3)
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "g"
+    assert main(["goldens", "build", "--model", str(model), "--out", str(out), "--steps", "2", "--quiet",
+                 "--engine", "test_cli:make_unnamed"]) == 0
+    assert GoldenStore.open(out).manifest["model_sha256"] == checkpoint_sha256(model)
+
+
 def test_goldens_verify_against_a_model_loads_no_weights(tmp_path, capsys, monkeypatch):
     """--model is checked by its files' sha256 and its config.json (the recorded selections' bounds), as the
     bundled engine that built the store names it, without loading it: V4-Flash would take ~160 GB of memory."""
@@ -106,6 +136,12 @@ def test_goldens_verify_against_a_model_loads_no_weights(tmp_path, capsys, monke
     assert capsys.readouterr().out.startswith(f"ok: {out}: ")
     assert main(["goldens", "verify", str(out), "--model", str(other)]) == 1
     assert "but the model under test has sha256" in _err(capsys)
+    (other / "model.safetensors").unlink()  # config.json alone: no checkpoint, not a mismatch
+    assert main(["goldens", "verify", str(out), "--model", str(other)]) == 2
+    assert "no *.safetensors files: point at a checkpoint folder" in _err(capsys)
+    (other / "config.json").unlink()
+    assert main(["goldens", "verify", str(out), "--model", str(other)]) == 2
+    assert "config.json" in _err(capsys)
 
 
 def test_goldens_verify_flipped_byte_exits_1(fake_engine, tmp_path, capsys):

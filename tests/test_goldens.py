@@ -13,6 +13,7 @@ from pytest_cdna2.goldens import (
     GoldenError,
     GoldenStore,
     GoldenWriter,
+    build_goldens,
     decode_tokens,
     encode_prompt,
     load_prompts,
@@ -229,7 +230,7 @@ def test_token_id_prompts(tmp_path):
     assert encode_prompt([7, 9], vocab_size=100).tolist() == [7, 9]  # no byte-level vocabulary rule for ids
     (tmp_path / "p.json").write_text(json.dumps([[100, 200000, 3], "ab"]))
     assert load_prompts(tmp_path / "p.json") == [[100, 200000, 3], b"ab"]
-    for bad in ([[]], [[1, "2"]], [[1.5]], [[-1]]):
+    for bad in ([[]], [[1, "2"]], [[1.5]], [[-1]], [[True]]):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(GoldenError, match="or of non-empty token-id lists"):
             load_prompts(tmp_path / "bad.json")
@@ -406,3 +407,16 @@ def test_a_file_dropped_into_the_store_during_a_rebuild_is_not_deleted(tmp_path)
     assert (out / "late.txt").read_text() == "mine"
     assert (out / "teacher.safetensors").read_bytes() == before
     assert _siblings(out) == ["g"]
+
+
+def test_every_prompt_is_checked_before_any_compute(tmp_path):
+    """An id outside the vocabulary in the third prompt stops the build naming that prompt before the first is
+    generated (V4-Flash: hours of work), and nothing is written."""
+    from test_plugin_fake_engine import make_model, write_fake_model
+
+    model = make_model(str(write_fake_model(tmp_path / "m", seed=1)))
+    calls = []
+    model.generate = lambda *a, **k: calls.append(a) or pytest.fail("generated before the prompts were checked")
+    with pytest.raises(ValueError, match="prompt p02: token id 999999 is outside the model's vocabulary of 260"):
+        build_goldens(None, tmp_path / "g", [b"ok", [1, 2], [999999]], 2, model=model, progress=False)
+    assert calls == [] and not (tmp_path / "g").exists()
