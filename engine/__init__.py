@@ -91,9 +91,11 @@ def _check_fits(folder: Path, device: torch.device) -> None:
     the experts copies them out of the memory-mapped files: ~94% of V4-Flash), so V4-Flash (~160 GB) on one GPU or
     a smaller host ran out of memory after minutes of copying, or had the kernel end the process with no summary.
     The bytes are the tensors the reader loads (MTP's left out), from the files' headers."""
-    if not folder.is_dir():
-        return  # read_checkpoint names it
-    need, free = weight_bytes(folder), _free_bytes(device)
+    try:
+        need = weight_bytes(folder)
+    except (CheckpointError, OSError, ValueError):
+        return  # read_checkpoint names what is wrong, its config.json first
+    free = _free_bytes(device)
     if free is not None and need > free:
         where = f"{device} has {_size(free)} free" if device.type == "cuda" else \
             f"the host has {_size(free)} available"

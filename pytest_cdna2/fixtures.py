@@ -127,7 +127,7 @@ def regenerate_goldens(settings: Settings) -> GoldenStore:
     """Rebuild the goldens with the float64 reference on the CPU, keeping the old prompts and steps."""
     prompts: list[bytes | list[int]] = list(DEFAULT_PROMPTS)
     steps: int | list[int] = 32
-    tap_prompts = None
+    tap_prompts = 4  # a new store: taps for the first 4 prompts, as `cdna2 goldens build`
     manifest = settings.goldens / MANIFEST
     if manifest.exists():  # unverified on purpose: only its prompts and steps are reused
         try:

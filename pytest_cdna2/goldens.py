@@ -757,7 +757,7 @@ def build_goldens(
     tolerance_profile: str = "default",
     seed: int = 0,
     taps: bool = True,
-    tap_prompts: int | None = None,
+    tap_prompts: int | None = 4,
     progress: bool = True,
 ) -> GoldenStore:
     """Compute goldens with the reference engine and write them atomically; returns the opened store.

@@ -253,14 +253,15 @@ def _is_perf(item: pytest.Item) -> bool:
 class _PerfLast:
     """Sorts weight-tier tests first and perf tests last (stable) after every other plugin's reordering (--ff,
     --nf, random orders): those wrap pytest_collection_modifyitems too, and a tryfirst wrapper registered after
-    theirs is the outermost, so this sort runs last. Weight first: a broken checkpoint stops the run in its
-    reader's line before any engine loads it (V4-Flash: minutes, and ~160 GB). pytest_runtest_setup still refuses
-    a perf test that some correctness test follows."""
+    theirs is the outermost, so this sort runs last. Weight first, unless --ff or --nf put the tests to rerun
+    first: a broken checkpoint stops the run in its reader's line before any engine loads it (V4-Flash: minutes,
+    and ~160 GB). pytest_runtest_setup still refuses a perf test that some correctness test follows."""
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
         result = yield
-        items.sort(key=lambda item: (_is_perf(item), item.get_closest_marker("weight") is None))
+        rerun_first = config.getoption("failedfirst", False) or config.getoption("newfirst", False)
+        items.sort(key=lambda item: (_is_perf(item), not rerun_first and item.get_closest_marker("weight") is None))
         return result
 
 
@@ -310,7 +311,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Goldens recorded from another model stop the run before its first test when a selected test reads them
     (under xdist the cdna2_golden fixture stops it instead: workers collect, the controller does not)."""
     s = session.config.stash[SETTINGS]
-    if s.regen or hasattr(session.config, "workerinput"):
+    if s.regen or hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
         return
     if any("cdna2_golden" in getattr(i, "fixturenames", ()) for i in session.items):
         problem = store_model_mismatch(s)

@@ -914,3 +914,15 @@ def test_free_bytes_counts_blocks_torch_cached_gpu():
     driver = torch.cuda.mem_get_info(dev)[0]
     assert driver + gib <= cdna2_engine._free_bytes(dev) < driver + 2 * gib
     del live
+
+
+def test_a_missing_key_is_found_before_any_tensor_is_read(ck, monkeypatch):
+    """The last layer's shared expert gone: named before a byte of the tensors ahead of it is read (a 160 GB
+    stream would otherwise fail after reading up to it)."""
+    key = "layers.1.ffn.shared_experts.w2.weight"
+    edit_tensors(ck, lambda sd: sd.pop(key))
+    counting = _CountingOpen(checkpoint.safe_open)
+    monkeypatch.setattr(checkpoint, "safe_open", counting)
+    with pytest.raises(CheckpointError, match=f"missing key {re.escape(key)}"):
+        read_checkpoint(ck)
+    assert counting.read == 0

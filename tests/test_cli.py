@@ -81,6 +81,8 @@ def test_goldens_build_with_an_engine_on_a_device(tmp_path, capsys):
     bad = ["goldens", "build", "--model", str(model), "--out", str(tmp_path / "g2"), "--engine", "nope:make"]
     assert main(bad) == 2
     assert "--engine=nope:make: cannot import 'nope'" in _err(capsys) and not (tmp_path / "g2").exists()
+    assert main(bad[:-2] + ["--device", "cuda:7"]) == 2  # --cdna2-device's reading and message
+    assert "--device" in _err(capsys) and not (tmp_path / "g2").exists()
 
 
 class _Unnamed:

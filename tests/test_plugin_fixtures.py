@@ -85,6 +85,40 @@ def test_goldens_of_another_model_size_stop_the_run_before_its_first_test(pytest
                             "with vocab_size 256 and 4 layers, but --cdna2-model */flash has vocab_size 129280 and 43 "
                             "layers: pass --cdna2-goldens DIR with goldens built for it*"])
     run(pytester, ENGINE, "--cdna2-model=flash", "-k", "plain").assert_outcomes(passed=1)
+    assert run(pytester, ENGINE, "--cdna2-model=flash", "--collect-only").ret == pytest.ExitCode.OK  # lists them
+
+
+@pytest.mark.parametrize("changes", [{"vocab_size": 256, "num_hidden_layers": 43},  # V4-Flash vs V4-Pro: same vocab
+                                     {"vocab_size": 129280, "num_hidden_layers": 4}])
+def test_goldens_differing_in_vocab_or_layers_alone_are_refused(pytester, changes):
+    folder = write_fake_model(pytester.path / "other", seed=1)
+    (folder / "config.json").write_text(json.dumps(changes))
+    pytester.makepyfile(TOKEN_TEST)
+    r = run(pytester, ENGINE, "--cdna2-model=other")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([f"ERROR: cdna2: the bundled goldens * but --cdna2-model */other has vocab_size "
+                            f"{changes['vocab_size']} and {changes['num_hidden_layers']} layers*"])
+
+
+def test_the_golden_fixture_refuses_another_models_goldens_itself(pytester):
+    """Under xdist the workers collect and the collection-time check is skipped there: the cdna2_golden fixture
+    stops the run with the same line before its full open (here the collection check is skipped as in a worker)."""
+    folder = write_fake_model(pytester.path / "flash", seed=1)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 129280, "num_hidden_layers": 43}))
+    pytester.makepyfile("def test_golden(cdna2_golden):\n    pass\n")
+    pytester.makeconftest("def pytest_configure(config):\n    config.workerinput = {}\n")
+    r = run(pytester, ENGINE, "--cdna2-model=flash")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: the bundled goldens (the bundled tiny model's) were recorded *"])
+
+
+def test_regen_is_not_refused_for_another_model_size(pytester, real_store):
+    """--cdna2-regen-goldens rebuilds a store for the model under test: its old size is no reason to refuse."""
+    from tiny_configs import make_checkpoint, make_config
+
+    make_checkpoint(pytester.path / "c", make_config("mixed", vocab_size=300), seed=3)  # 4 layers, not 2
+    r = run(pytester, "--cdna2-model=c", "--cdna2-goldens=goldens", "--cdna2-regen-goldens")
+    r.stdout.fnmatch_lines(["*cdna2: goldens were rewritten at */goldens*"])
 
 
 def test_one_flipped_byte_stops_the_run_with_a_checksum_message(pytester, store):

@@ -61,6 +61,16 @@ def test_weight_tier_runs_first(pytester):
     assert ran[0] == "test_weight" and ran[1:3] == ["test_tokens[True0]", "test_tokens[True1]"], ran
 
 
+def test_ff_keeps_the_failed_test_first(pytester):
+    """--ff (and --nf) put the tests to rerun first; the weight-first sort leaves that order alone."""
+    pytester.makepyfile(TESTS.format(ok2=False))
+    run(pytester, "--cdna2-perf-on-cpu")  # test_tokens[False] fails: the cache records it
+    r = run(pytester, "--cdna2-perf-on-cpu", "--ff", "-v")
+    ran = [line.split("::")[1].split()[0] for line in r.outlines if "::" in line and ("PASSED" in line or
+                                                                                      "FAILED" in line)]
+    assert ran[0] == "test_tokens[False]" and "test_weight" in ran[1:], ran
+
+
 def test_perf_skipped_naming_the_failed_tests(pytester):
     pytester.makepyfile(TESTS.format(ok2=False))
     r = run(pytester, "--cdna2-perf-on-cpu", "-rs")

@@ -97,3 +97,18 @@ def test_the_pass_holds_one_tensor_at_a_time(model, monkeypatch):
     scan = scan_weights(model, CPU)
     # 4: the tensor before and its scale, still bound in the pass's loop while the next two are read
     assert scan.tensors > 60 and most[0] <= 4, f"{most[0]} tensors alive at once over {scan.tensors}"
+
+
+def test_a_scale_stored_in_float_is_named(model, tmp_path):
+    """The reader takes power-of-two float scales; the official layout stores UE8M0 bytes, which this tier holds
+    the checkpoint to (and the tensor is not decoded: read as bytes, its scales would be wrong for that reason)."""
+    key = "layers.0.attn.wq_a.scale"
+
+    def to_float(sd):
+        if key in sd:
+            sd[key] = sd[key].float()
+            return True
+
+    scan = scan_weights(_edit(model, tmp_path, to_float), CPU)
+    assert scan.problems == {SCALES: [f"{key.removesuffix('.scale')}.weight: scale dtype torch.float32, expected "
+                                      "float8_e8m0fnu"]}
