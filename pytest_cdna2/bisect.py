@@ -101,7 +101,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     first that fails name its first drifting tap (golden selections forced, so near-tie flips do not move
     the taps) and, on the bundled triton backend, the first op whose reference twin makes it pass."""
     from pytest_cdna2.fixtures import resolve_factory, takes_dtype
-    from pytest_cdna2.goldens import GoldenStore
+    from pytest_cdna2.goldens import GoldenStore, model_identity
     from pytest_cdna2.judge import forced_selections, judge_prompt
     from pytest_cdna2.tolerance import load_profile
 
@@ -115,8 +115,8 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         return factory(str(model_dir), device=device, backend=backend, **kw)
 
     model = load()
-    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
-    store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=getattr(model, "config", None))
+    sha, config = model_identity(model, model_dir)
+    store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=config)
     lines = []
     for name in [store.prompt(n).name for n in prompts] if prompts else [p.name for p in store.prompts]:
         verdict = judge_prompt(model, store, name, lim)

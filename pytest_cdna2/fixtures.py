@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from pytest_cdna2 import report
-from pytest_cdna2.goldens import DEFAULT_PROMPTS, MANIFEST, GoldenError, GoldenStore, build_goldens, read_manifest
+from pytest_cdna2.goldens import (
+    DEFAULT_PROMPTS,
+    MANIFEST,
+    GoldenError,
+    GoldenStore,
+    build_goldens,
+    model_identity,
+    read_manifest,
+)
 from pytest_cdna2.tolerance import Profile
 
 __all__ = [
@@ -264,10 +272,10 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
     if mismatch:
         _stop(request, mismatch)
     model = request.getfixturevalue("cdna2_engine")
-    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
     try:
-        return GoldenStore.open(s.goldens, expected_model_sha256=sha, config=getattr(model, "config", None))
-    except GoldenError as e:
+        sha, config = model_identity(model, s.model)
+        return GoldenStore.open(s.goldens, expected_model_sha256=sha, config=config)
+    except (GoldenError, ValueError) as e:  # ValueError: a ConfigError of the folder's config.json
         _stop(request, f"cdna2: {e}")
 
 

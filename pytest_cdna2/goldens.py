@@ -732,14 +732,23 @@ def _versions(model: Any) -> dict[str, str | None]:
             "pytest_cdna2": ver("pytest-cdna2"), "python": sys.version.split()[0]}
 
 
-def _folder_sha256(model_dir: str | Path | None) -> str | None:
-    """An official-layout folder's sha256 as the bundled engine names it (so `verify --model` and the bundled
-    engine can tie the store to it) for an engine that names none; None for a folder in an engine's own format."""
-    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
-        return None
-    from cdna2_engine.checkpoint import checkpoint_sha256
+def model_identity(model: Any, model_dir: str | Path | None, config: bool = True) -> tuple[str | None, Any]:
+    """(sha256, config) a store is tied to and bounded by: the engine's own when it names them; else, for an
+    official-layout folder (config.json), the folder's sha256 as the bundled engine names it and, with `config`,
+    its config (V4's fields bound the recorded selections: another implementation's config may lack them). None
+    where neither is known (an engine's own checkpoint format)."""
+    official = model_dir is not None and (Path(model_dir) / "config.json").is_file()
+    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else None
+    cfg = getattr(model, "config", None)
+    if official and sha is None:
+        from cdna2_engine.checkpoint import checkpoint_sha256
 
-    return checkpoint_sha256(model_dir)
+        sha = checkpoint_sha256(model_dir)
+    if official and config and not hasattr(cfg, "compress_ratios"):
+        from cdna2_engine.config import Config
+
+        cfg = Config.load(Path(model_dir))
+    return sha, cfg
 
 
 def build_goldens(
@@ -797,7 +806,7 @@ def build_goldens(
     else:
         tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn"))
     device = getattr(model, "device", "cpu")
-    sha = model.checkpoint_sha256() if hasattr(model, "checkpoint_sha256") else _folder_sha256(model_dir)
+    sha = model_identity(model, model_dir, config=False)[0]
     torch.manual_seed(seed)
 
     width = len(str(len(prompts) - 1))

@@ -20,15 +20,24 @@ PROMPTS = [b"def f(x):\n    return x + 1\n" * 3, b"import os\nimport sys\n" * 4]
 pytest_plugins = ["pytester"]
 
 
-def test_transformers_as_a_user_engine_passes_the_suite(pytester, tmp_path, monkeypatch):
-    model = make_checkpoint(tmp_path / "model", make_config("mixed", vocab_size=256), seed=21)
-    build_goldens(model, tmp_path / "goldens", PROMPTS, 8, progress=False)
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    model = make_checkpoint(root / "model", make_config("mixed", vocab_size=256), seed=21)
+    build_goldens(model, root / "goldens", PROMPTS, 8, progress=False)
+    return model, root / "goldens"
+
+
+def run_suite(pytester, monkeypatch, model, goldens, *args):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT / "examples"), os.environ.get("PYTHONPATH"))
                                                      if p))
-    r = pytester.runpytest_subprocess(
+    return pytester.runpytest_subprocess(
         str(ROOT / "suite"), "-p", "no:cacheprovider", "--cdna2-device=cpu", f"--cdna2-model={model}",
-        f"--cdna2-goldens={tmp_path / 'goldens'}", "--cdna2-engine=transformers_engine:load", "-rs", "-q",
-        "-m", "not perf")
+        f"--cdna2-goldens={goldens}", "--cdna2-engine=transformers_engine:load", "-rs", "-q", *args)
+
+
+def test_transformers_as_a_user_engine_passes_the_suite(pytester, monkeypatch, made):
+    r = run_suite(pytester, monkeypatch, *made, "-m", "not perf")
     out = r.stdout.str()
     # 2 token tests a prompt, 3 determinism, 5 weight; skipped: device-vs-device, the round trip, every kernel and
     # isa case (their reasons below)
@@ -36,3 +45,15 @@ def test_transformers_as_a_user_engine_passes_the_suite(pytester, tmp_path, monk
     assert "the kernel tier checks the bundled engine's ops; your engine is judged by the token tier" in out
     assert "the isa tier compiles the bundled engine's Triton kernels; your engine is judged by the token tier" in out
     assert "token        4 passed, 0 failed, 0 skipped" in out and "isa          0 passed, 0 failed" in out
+
+
+def test_goldens_of_another_checkpoint_stop_a_user_engines_run(pytester, monkeypatch, made, tmp_path):
+    """The engine names no sha256: the store is tied to the official folder's, so another checkpoint of the same
+    shape (another seed) stops the run in one line instead of failing every token test on drift."""
+    from cdna2_engine.checkpoint import checkpoint_sha256
+
+    model, goldens = made
+    other = make_checkpoint(tmp_path / "other", make_config("mixed", vocab_size=256), seed=22)
+    r = run_suite(pytester, monkeypatch, other, goldens, "-m", "token")
+    r.stdout.fnmatch_lines([f"*Interrupted: cdna2: goldens at * are for model sha256 {checkpoint_sha256(model)}, but "
+                            f"the model under test has sha256 {checkpoint_sha256(other)}*"])
