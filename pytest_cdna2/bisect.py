@@ -115,6 +115,12 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         return factory(str(model_dir), device=device, backend=backend, **kw)
 
     model = load()
+    from pytest_cdna2.fixtures import engine_missing
+
+    missing = engine_missing(model)
+    if missing:
+        raise ValueError(f"--engine={engine} returned {type(model).__name__}, which has no {', '.join(missing)} "
+                         "(the README's Model API)")
     sha, config = model_identity(model, model_dir)
     store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=config)
     lines = []
@@ -124,7 +130,10 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         if verdict.ok:
             continue
         tap_prompt, taps = taps_for(store, name)
-        if taps:
+        if not callable(getattr(model, "trace", None)):
+            lines.append("  no drift location: the engine has no trace(ids, taps=, selections=) (the README's Model "
+                         "API)")
+        elif taps:
             ids = store.input_ids(tap_prompt).unsqueeze(0).to(model.device)
             drift = locate(model, ids, taps, lim.tap_rtol_fro,
                            selections=forced_selections(store, tap_prompt, model.device))

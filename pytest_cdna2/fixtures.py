@@ -63,7 +63,21 @@ class Settings:
 
 
 ENGINE_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")  # module:factory, as --cdna2-engine takes it
-ENGINE_METHODS = ("forward", "generate")  # what the tiers call on any engine (the README's Model API)
+# what the tiers use of any engine (the README's Model API); trace is optional for the tiers
+ENGINE_MEMBERS = ("forward", "generate", "device", "config.vocab_size", "config.num_hidden_layers")
+_CALLED = ("forward", "generate", "trace")
+
+
+def engine_missing(model: Any, also: tuple[str, ...] = ()) -> list[str]:
+    """The Model API members `model` lacks (methods must be callable), of ENGINE_MEMBERS and `also`."""
+    missing = []
+    for name in ENGINE_MEMBERS + also:
+        obj = model
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None or (name in _CALLED and not callable(obj)):
+            missing.append(name)
+    return missing
 # the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
 _SOURCE_ONLY = "only with a source checkout (git clone, then `pip install -e .`), not in the wheel"
 SETTINGS = pytest.StashKey[Settings]()
@@ -233,7 +247,7 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
             _stop(request, f"cdna2: {e}")  # names the file or setting and the fix
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise
-    missing = [m for m in ENGINE_METHODS if not callable(getattr(model, m, None))]
+    missing = engine_missing(model)
     if missing:
         _stop(request, f"cdna2: --cdna2-engine={s.engine} returned {type(model).__name__}, not a model: it has no "
                        f"{', '.join(missing)} (the README's Model API)")

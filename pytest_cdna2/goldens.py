@@ -793,6 +793,12 @@ def build_goldens(
         factory = resolve_factory(engine, option="--engine")
         kw = {"dtype": str(dtype).removeprefix("torch.")} if takes_dtype(factory) else {}  # a name, as pytest passes
         model = factory(str(model_dir), device=device, backend=backend, **kw)
+    from pytest_cdna2.fixtures import engine_missing
+
+    missing = engine_missing(model, also=("trace",))
+    if missing:
+        raise ValueError(f"engine {type(model).__name__} has no {', '.join(missing)}: goldens record its generate and "
+                         "its trace's logits, taps and selections (the README's Model API)")
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
         raise ValueError("no prompts")

@@ -70,3 +70,43 @@ def test_cli_bisect_names_the_broken_kernel(small, capsys, monkeypatch):
     assert out.startswith("p00: FAIL prompt p00:")
     assert "first drift at layer 0" in out
     assert "kernel: rms_norm (switching it back to the reference removes the failure)" in out
+
+
+class _Untraced:
+    """The bundled engine without trace (optional in the Model API) and with noisy logits, so prompts fail."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "trace":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def forward(self, ids):
+        out = self.inner.forward(ids)
+        return out + torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+
+
+def untraced(path, *, device="cpu", backend="reference", dtype=None):
+    import cdna2_engine
+
+    return _Untraced(cdna2_engine.load_model(path, device=device, backend=backend, dtype=dtype))
+
+
+def test_cli_bisect_without_trace_says_why_it_cannot_locate(small, capsys):
+    """An engine without trace is judged on its logits; where it drifts cannot be named, and bisect says so."""
+    model, goldens = small
+    assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "test_bisect:untraced"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("p00: FAIL ") and out[1] == ("  no drift location: the engine has no trace(ids, taps=, "
+                                                          "selections=) (the README's Model API)"), out
+
+
+def test_cli_goldens_build_needs_trace(small, capsys, tmp_path):
+    model, _ = small
+    argv = ["goldens", "build", "--model", str(model), "--out", str(tmp_path / "g"), "--engine", "test_bisect:untraced"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "engine _Untraced has no trace: goldens record its generate and its trace's" in err
+    assert not (tmp_path / "g").exists()

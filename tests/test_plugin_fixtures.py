@@ -241,9 +241,11 @@ def test_a_factory_that_returns_no_model_stops_the_run_in_one_line(pytester):
     r = run(pytester, "--cdna2-engine=factories:none", "--cdna2-model=m")
     r.assert_outcomes(errors=1)
     r.stdout.fnmatch_lines(["*Interrupted: cdna2: --cdna2-engine=factories:none returned NoneType, not a model: it "
-                            "has no forward, generate (the README's Model API)*"])
+                            "has no forward, generate, device, config.vocab_size, config.num_hidden_layers (the "
+                            "README's Model API)*"])
     r = run(pytester, "--cdna2-engine=factories:half", "--cdna2-model=m")
-    r.stdout.fnmatch_lines(["*returned M, not a model: it has no generate (the README's Model API)*"])
+    r.stdout.fnmatch_lines(["*returned M, not a model: it has no generate, device, config.vocab_size, "
+                            "config.num_hidden_layers (the README's Model API)*"])
 
 
 @pytest.mark.parametrize("fault", [None, "bogus"])
