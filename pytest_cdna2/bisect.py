@@ -137,7 +137,8 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
             ids = store.input_ids(tap_prompt).unsqueeze(0).to(model.device)
             drift = locate(model, ids, taps, lim.tap_rtol_fro,
                            selections=forced_selections(store, tap_prompt, model.device))
-            lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt})")
+            lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt}, the golden's "
+                         "selections forced)")
         if backend == "triton" and engine == "bundled":
             op = kernel_culprit(load, lambda m, name=name: judge_prompt(m, store, name, lim).ok)
             lines.append(f"  kernel: {op} (switching it back to the reference removes the failure)" if op else

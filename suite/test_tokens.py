@@ -23,7 +23,7 @@ def _why(engine, golden, prompt, limit) -> str:
         return ""
     ids = golden.input_ids(name).unsqueeze(0).to(engine.device)
     drift = locate(engine, ids, taps, limit, selections=forced_selections(golden, name, engine.device))
-    where = "" if name == prompt else f" on prompt {name}"
+    where = ("" if name == prompt else f" on prompt {name}") + ", the golden's selections forced"
     return f" [{drift}{where}]" if drift else f" [every tap within limits{where}]"
 
 

@@ -68,7 +68,7 @@ def test_cli_bisect_names_the_broken_kernel(small, capsys, monkeypatch):
     assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--backend", "triton"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("p00: FAIL prompt p00:")
-    assert "first drift at layer 0" in out
+    assert "first drift at layer 0" in out and "(taps of prompt p00, the golden's selections forced)" in out
     assert "kernel: rms_norm (switching it back to the reference removes the failure)" in out
 
 

@@ -420,3 +420,23 @@ def test_every_prompt_is_checked_before_any_compute(tmp_path):
     with pytest.raises(ValueError, match="prompt p02: token id 999999 is outside the model's vocabulary of 260"):
         build_goldens(None, tmp_path / "g", [b"ok", [1, 2], [999999]], 2, model=model, progress=False)
     assert calls == [] and not (tmp_path / "g").exists()
+
+
+def test_a_build_whose_decode_disagrees_names_the_float64_limit(tmp_path):
+    """An engine that keeps float32 parts in a float64 run (transformers) disagrees with itself past float64's 1e-9:
+    the refusal says so and names the way out (--dtype float32) instead of only "fix the engine"."""
+    from test_plugin_fake_engine import make_model, write_fake_model
+
+    model = make_model(str(write_fake_model(tmp_path / "m", seed=1)))
+    generate = model.generate
+
+    def float32_ish(ids, n):
+        gen = generate(ids, n)
+        gen.logits.add_(1e-6)  # float32-sized error on a float64 run
+        return gen
+
+    model.generate = float32_ish
+    with pytest.raises(GoldenError, match=r"prompt p00: greedy logits differ .* fix the engine before building "
+                                          r"goldens from it \(float64's limit is 1e-9: .* --dtype float32\)"):
+        build_goldens(None, tmp_path / "g", [b"hello"], 3, model=model, progress=False)
+    assert not (tmp_path / "g").exists()
