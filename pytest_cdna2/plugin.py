@@ -37,7 +37,7 @@ from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by b
     cdna2_tolerance,
     store_model_mismatch,
 )
-from pytest_cdna2.goldens import BUNDLED_GOLDENS
+from pytest_cdna2.goldens import BUNDLED_GOLDENS, GoldenError, read_manifest
 from pytest_cdna2.report import TIERS, PerfGate, TierTally, tiers_of
 from pytest_cdna2.tolerance import ToleranceError, load_profile
 
@@ -242,8 +242,21 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"cdna2: xdist workers pinned round-robin over {', '.join(s.devices)}")
     missing = "" if s.model.exists() else " (missing)"
     lines.append(f"cdna2 engine: {s.engine} backend={s.backend} model={s.model}{missing}")
-    lines.append(f"cdna2 goldens: {s.goldens}  tolerance: {s.tolerance.name} ({s.tolerance.path})")
+    lines.append(f"cdna2 goldens: {s.goldens}{_recorded_by(s)}  tolerance: {s.tolerance.name} ({s.tolerance.path})")
     return lines
+
+
+def _recorded_by(s: Settings) -> str:
+    """' (recorded by ENGINE in DTYPE)' from the store's manifest, and a warning when that engine is the one under
+    test: goldens an engine made check it only against itself."""
+    try:
+        manifest = read_manifest(s.goldens)
+        engine, dtype = str(manifest["versions"]["engine"]).split()[0], manifest["dtype"]
+    except (GoldenError, KeyError, TypeError, IndexError, AttributeError):
+        return ""
+    under_test = "cdna2_engine" if s.engine == "bundled" else s.engine.split(":")[0].split(".")[0]
+    same = engine == under_test and not (s.engine == "bundled" and dtype == "float64" and s.dtype != "float64")
+    return f" (recorded by {engine} in {dtype}{': the engine under test, judged against itself' if same else ''})"
 
 
 def _is_perf(item: pytest.Item) -> bool:

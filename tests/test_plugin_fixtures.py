@@ -58,6 +58,11 @@ def test_engine_is_loaded_once_on_the_device_with_the_backend(pytester):
 def test_goldens_of_the_model_pass(pytester, store):
     r = run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=goldens")
     r.assert_outcomes(passed=2)
+    # these goldens were recorded by the engine under test: the header says it is judged against itself
+    r.stdout.fnmatch_lines(["cdna2 goldens: */goldens (recorded by test_plugin_fake_engine in float64: the engine "
+                            "under test, judged against itself)  tolerance: *"])
+    r = run(pytester, "--cdna2-goldens=goldens", "--co")  # the bundled engine: another engine's goldens
+    r.stdout.fnmatch_lines(["cdna2 goldens: */goldens (recorded by test_plugin_fake_engine in float64)  tolerance: *"])
 
 
 def test_goldens_of_another_model_are_refused_and_stop_the_run(pytester, store):
