@@ -20,8 +20,9 @@ def _record(picks: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Te
     """Picks padded to k with -1 (fewer entries than k), and the margin: k-th minus (k+1)-th score."""
     picks = torch.cat([picks, picks.new_full((*picks.shape[:-1], k - picks.shape[-1]), -1)], -1)
     top = scores.topk(min(k + 1, scores.shape[-1]), -1).values
-    margin = top[..., k - 1] - top[..., k] if top.shape[-1] > k else torch.full(top.shape[:-1], float("inf"))
-    return picks, margin.nan_to_num(float("inf"))
+    margin = top[..., k - 1] - top[..., k] if top.shape[-1] > k else \
+        torch.full(top.shape[:-1], float("inf"), dtype=top.dtype, device=top.device)
+    return picks, margin.nan_to_num(float("inf"))  # no competitor: the dtype's largest, as the bundled engine
 
 
 class TransformersEngine:
@@ -84,7 +85,7 @@ class TransformersEngine:
             pos = torch.arange(s.shape[1], device=s.device)
             closed = ((pos + 1) // mod.compress_rate)[:, None]  # entries closed at each position
             s = s.masked_fill(torch.arange(s.shape[2], device=s.device) >= closed, float("-inf"))
-            idx, margin = _record(out, s, mod.index_topk)
+            idx, margin = _record(out, s, min(mod.index_topk, s.shape[-1]))  # k: at most the entries there are
             self._t["sel"][(i, "indexer")] = NS(indices=idx, margin=margin)
             return self._t["force"].get((i, "indexer"))  # None keeps transformers' own pick
         return hook
@@ -107,13 +108,15 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int) -> NS:
-        out = self.hf(ids, use_cache=True)
-        tokens, logits = [], []
-        for _ in range(max_new_tokens):
-            logits.append(out.logits[:, -1])
-            tokens.append(logits[-1].argmax(-1, keepdim=True))
-            out = self.hf(tokens[-1], past_key_values=out.past_key_values, use_cache=True)
-        return NS(tokens=torch.cat(tokens, 1), logits=torch.stack(logits, 1))
+        tokens = ids.new_empty(ids.shape[0], 0)
+        logits = torch.empty(ids.shape[0], 0, self.config.vocab_size, device=ids.device, dtype=self.dtype)
+        out = self.hf(ids, use_cache=True) if max_new_tokens else None
+        for step in range(max_new_tokens):
+            last = out.logits[:, -1:]
+            tokens, logits = torch.cat([tokens, last.argmax(-1)], 1), torch.cat([logits, last.to(logits)], 1)
+            if step + 1 < max_new_tokens:  # no forward for a token nobody asked about
+                out = self.hf(tokens[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        return NS(tokens=tokens, logits=logits)
 
 
 def load(path: str, *, device: str = "cpu", backend: str = "reference", dtype: str | None = None):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from pytest_cdna2.goldens import build_goldens
 
@@ -57,3 +58,48 @@ def test_goldens_of_another_checkpoint_stop_a_user_engines_run(pytester, monkeyp
     r = run_suite(pytester, monkeypatch, other, goldens, "-m", "token")
     r.stdout.fnmatch_lines([f"*Interrupted: cdna2: goldens at * are for model sha256 {checkpoint_sha256(model)}, but "
                             f"the model under test has sha256 {checkpoint_sha256(other)}*"])
+
+
+@pytest.mark.parametrize("name, T", [("mixed", 12), ("mixed", 40), ("hca-first", 40), ("csa-only", 40)])
+def test_the_example_traces_as_the_bundled_engine_does(tmp_path, monkeypatch, name, T):
+    """The example's trace against the bundled float64 reference, batch 2 (float64 both; transformers keeps float32
+    islands, so 1e-5, DESIGN.md section 7): the same taps, the same selection keys, widths and picks (the indexer's
+    k at most the closed entries: 12 tokens close 3 at ratio 4), margins, and forced picks that change the logits
+    alike. The suite's run above passes on logits alone and never reaches this code."""
+    import sys
+
+    import cdna2_engine
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    sys.modules.pop("transformers_engine", None)
+    import transformers_engine
+
+    model = make_checkpoint(tmp_path / "m", make_config(name, vocab_size=256), seed=5)
+    ref = cdna2_engine.load_model(str(model), dtype="float64")
+    hf = transformers_engine.load(str(model), dtype="float64")
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    taps = ref.tap_names()
+    a, b = ref.trace(ids, taps=taps), hf.trace(ids, taps=taps)
+    assert set(a.taps) == set(b.taps) == set(taps)
+    for k in taps:
+        assert a.taps[k].shape == b.taps[k].shape, k
+        assert ((a.taps[k] - b.taps[k]).norm() / a.taps[k].norm()).item() < 1e-5, k
+    assert set(a.selections) == set(b.selections) and a.selections
+    for k, x in a.selections.items():
+        y = b.selections[k]
+        assert x.indices.shape == y.indices.shape, (k, x.indices.shape, y.indices.shape)
+        assert torch.equal(x.indices.sort(-1).values, y.indices.sort(-1).values), k
+        xm, ym = x.margin.double(), y.margin.double()
+        alone = (xm > 1e30, ym > 1e30)  # no competitor (inf, or the dtype's largest after nan_to_num)
+        assert torch.equal(*alone), k
+        assert torch.allclose(xm[~alone[0]], ym[~alone[0]], rtol=1e-4, atol=1e-6), k
+    changed = {}
+    for (layer, kind), sel in a.selections.items():  # every router's first pick moved to another expert
+        idx = sel.indices.clone()
+        if kind == "router":
+            idx[..., 0] = (idx[..., 0] + 1) % ref.config.n_routed_experts
+            idx = torch.where((idx[..., :1] == idx[..., 1:]).any(-1, keepdim=True), sel.indices, idx)  # no repeats
+        changed[(layer, kind)] = idx
+    fa, fb = ref.trace(ids, selections=changed), hf.trace(ids, selections=changed)
+    assert (fa.logits - a.logits).abs().max() > 1e-3  # the forcing changed something
+    assert ((fa.logits - fb.logits).norm() / fa.logits.norm()).item() < 1e-5
