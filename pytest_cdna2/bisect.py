@@ -102,7 +102,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     the taps) and, on the bundled triton backend, the first op whose reference twin makes it pass."""
     from pytest_cdna2.fixtures import resolve_factory, takes_dtype
     from pytest_cdna2.goldens import GoldenStore, model_identity
-    from pytest_cdna2.judge import forced_selections, judge_prompt
+    from pytest_cdna2.judge import forced_selections, has_trace, judge_prompt
     from pytest_cdna2.tolerance import load_profile
 
     lim = load_profile(tolerance, dtype=dtype).token
@@ -130,7 +130,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
         if verdict.ok:
             continue
         tap_prompt, taps = taps_for(store, name)
-        if not callable(getattr(model, "trace", None)):
+        if not has_trace(model):
             lines.append("  no drift location: the engine has no trace(ids, taps=, selections=) (the README's Model "
                          "API)")
         elif taps:

@@ -844,8 +844,9 @@ def build_goldens(
             problem = greedy_mismatch(tr.logits[0][len(ids) - 1:].cpu(), gen.logits[0].cpu(),
                                       str(getattr(model, "dtype", dtype)))
             if problem:  # nothing is written: the goldens would contradict themselves
+                other = type(model).__module__.split(".")[0] != "cdna2_engine"  # the bundled engine: a real bug
                 hint = " (float64's limit is 1e-9: an engine that keeps float32 parts in a float64 run fails it, so " \
-                    "build with --dtype float32)" if "float64" in str(getattr(model, "dtype", dtype)) else ""
+                    "build with --dtype float32)" if other and "float64" in str(getattr(model, "dtype", dtype)) else ""
                 raise GoldenError(f"prompt {name}: {problem}; fix the engine before building goldens from it{hint}")
             teacher[f"{name}.input_ids"] = seq
             teacher[f"{name}.logits"] = tr.logits[0]

@@ -30,6 +30,11 @@ def forced_selections(store: Any, name: str, device: Any) -> dict:
     return {k: s.indices.unsqueeze(0).to(device) for k, s in store.selections(name).items()}
 
 
+def has_trace(engine: Any) -> bool:
+    """Whether the engine offers the Model API's optional trace (the near-tie rule and drift location need it)."""
+    return callable(getattr(engine, "trace", None))
+
+
 def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
     """Teacher-forced logits of prompt `name` against the golden, with the near-tie rule above."""
     dev = torch.device(engine.device)
@@ -42,7 +47,7 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
     except AssertionError as e:
         failure, metrics = str(e), logit_metrics(out, expected)
     golden = store.selections(name)
-    if not golden or not hasattr(engine, "trace"):
+    if not golden or not has_trace(engine):
         return Verdict(False, failure, metrics, 0)
     try:
         tr = engine.trace(ids, selections=forced_selections(store, name, dev))

@@ -254,8 +254,10 @@ def _recorded_by(s: Settings) -> str:
         engine, dtype = str(manifest["versions"]["engine"]).split()[0], manifest["dtype"]
     except (GoldenError, KeyError, TypeError, IndexError, AttributeError):
         return ""
-    under_test = "cdna2_engine" if s.engine == "bundled" else s.engine.split(":")[0].split(".")[0]
-    same = engine == under_test and not (s.engine == "bundled" and dtype == "float64" and s.dtype != "float64")
+    if engine == "cdna2_engine":  # the bundled engine (its faults' loader too): the same backend and dtype only
+        same = s.engine == "bundled" and (dtype, manifest.get("backend")) == (s.dtype, s.backend)
+    else:
+        same = s.engine.split(":")[0].split(".")[0] == engine
     return f" (recorded by {engine} in {dtype}{': the engine under test, judged against itself' if same else ''})"
 
 

@@ -12,14 +12,14 @@ import pytest
 
 from pytest_cdna2.bisect import kernel_culprit, locate, taps_for
 from pytest_cdna2.compare import assert_logits_close
-from pytest_cdna2.judge import forced_selections, judge_prompt
+from pytest_cdna2.judge import forced_selections, has_trace, judge_prompt
 
 pytestmark = pytest.mark.token
 
 
 def _why(engine, golden, prompt, limit) -> str:
     name, taps = taps_for(golden, prompt)
-    if not taps or not hasattr(engine, "trace"):
+    if not taps or not has_trace(engine):
         return ""
     ids = golden.input_ids(name).unsqueeze(0).to(engine.device)
     drift = locate(engine, ids, taps, limit, selections=forced_selections(golden, name, engine.device))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pytest_cdna2.goldens import (
+    BUNDLED_GOLDENS,
     MANIFEST,
     GoldenError,
     GoldenStore,
@@ -440,3 +441,20 @@ def test_a_build_whose_decode_disagrees_names_the_float64_limit(tmp_path):
                                           r"goldens from it \(float64's limit is 1e-9: .* --dtype float32\)"):
         build_goldens(None, tmp_path / "g", [b"hello"], 3, model=model, progress=False)
     assert not (tmp_path / "g").exists()
+
+
+def test_the_float64_hint_is_for_other_engines_only(tmp_path):
+    """The bundled engine's float64 decode disagreeing with its prefill is a bug in it: no hint to work around it."""
+    import cdna2_engine
+
+    model = cdna2_engine.load_model(str(BUNDLED_GOLDENS.parent / "model"), dtype="float64")
+    generate = model.generate
+
+    def off(ids, n):
+        gen = generate(ids, n)
+        gen.logits.add_(1e-6)
+        return gen
+
+    model.generate = off
+    with pytest.raises(GoldenError, match=r"fix the engine before building goldens from it$"):
+        build_goldens(None, tmp_path / "g", [b"hello"], 2, model=model, progress=False)

@@ -289,3 +289,16 @@ def test_a_model_that_fails_to_load_stops_the_run(pytester):
     r.assert_outcomes(errors=1)
     r.stdout.fnmatch_lines(["*Interrupted: cdna2: loading */m (test_plugin_fake_engine:make_model) failed: "
                             "FileNotFoundError*"])
+
+
+@pytest.mark.parametrize("args, itself", [
+    ((), False),  # float32 against the float64 reference's goldens: the design
+    (("--cdna2-dtype=float64",), True),  # the reference in float64: the computation that made them
+    (("--cdna2-dtype=float64", "--cdna2-backend=triton"), False),
+    (("--cdna2-dtype=float64", "--cdna2-engine=cdna2_engine.faults:load_faulty"), False),
+])
+def test_the_header_says_when_the_bundled_goldens_judge_their_own_computation(pytester, args, itself):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    r = run(pytester, "--co", *args)
+    tail = ": the engine under test, judged against itself)" if itself else ")"
+    r.stdout.fnmatch_lines([f"cdna2 goldens: */goldens (recorded by cdna2_engine in float64{tail}  tolerance: *"])
