@@ -100,27 +100,18 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
     """`cdna2 bisect`: judge every golden prompt as the token tier does (pytest_cdna2.judge), and for the
     first that fails name its first drifting tap (golden selections forced, so near-tie flips do not move
     the taps) and, on the bundled triton backend, the first op whose reference twin makes it pass."""
-    from pytest_cdna2.fixtures import resolve_factory, takes_dtype
+    from pytest_cdna2.engines import load_engine
     from pytest_cdna2.goldens import GoldenStore, model_identity
     from pytest_cdna2.judge import forced_selections, has_trace, judge_prompt
     from pytest_cdna2.tolerance import load_profile
 
     lim = load_profile(tolerance, dtype=dtype).token
-    factory = resolve_factory(engine, option="--engine")
 
     def load(reference_ops: list[str] | None = None):
-        kw = {"dtype": dtype} if takes_dtype(factory) else {}
-        if reference_ops is not None:
-            kw["reference_ops"] = reference_ops
-        return factory(str(model_dir), device=device, backend=backend, **kw)
+        extra = {} if reference_ops is None else {"reference_ops": reference_ops}
+        return load_engine(engine, model_dir, device=device, backend=backend, dtype=dtype, **extra)
 
     model = load()
-    from pytest_cdna2.fixtures import engine_missing
-
-    missing = engine_missing(model)
-    if missing:
-        raise ValueError(f"--engine={engine} returned {type(model).__name__}, which has no {', '.join(missing)} "
-                         "(the README's Model API)")
     sha, config = model_identity(model, model_dir)
     store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=config)
     lines = []

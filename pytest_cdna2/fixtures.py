@@ -7,9 +7,7 @@ every later test meaningless (no model, a corrupt golden) fail the test that met
 
 from __future__ import annotations
 
-import importlib
 import json
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 import torch
 
 from pytest_cdna2 import report
+from pytest_cdna2.engines import ENGINE_SPEC, check_engine, resolve_factory, takes_dtype  # noqa: F401
 from pytest_cdna2.goldens import (
     DEFAULT_PROMPTS,
     MANIFEST,
@@ -62,22 +61,6 @@ class Settings:
     goldens_is_default: bool = False
 
 
-ENGINE_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")  # module:factory, as --cdna2-engine takes it
-# what the tiers use of any engine (the README's Model API); trace is optional for the tiers
-ENGINE_MEMBERS = ("forward", "generate", "device", "config.vocab_size", "config.num_hidden_layers")
-_CALLED = ("forward", "generate", "trace")
-
-
-def engine_missing(model: Any, also: tuple[str, ...] = ()) -> list[str]:
-    """The Model API members `model` lacks (methods must be callable), of ENGINE_MEMBERS and `also`."""
-    missing = []
-    for name in ENGINE_MEMBERS + also:
-        obj = model
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None or (name in _CALLED and not callable(obj)):
-            missing.append(name)
-    return missing
 # the wheel carries only the packages and their TOML profiles: goldens/ (model and goldens, 13 MB) does not ship
 _SOURCE_ONLY = "only with a source checkout (git clone, then `pip install -e .`), not in the wheel"
 SETTINGS = pytest.StashKey[Settings]()
@@ -92,57 +75,6 @@ def _stop(request: pytest.FixtureRequest, message: str) -> NoReturn:
     """Fail this setup with a one-line message and stop the session after it."""
     request.session.shouldstop = message
     raise pytest.fail.Exception(message, pytrace=False) from None  # called in `except`: no chained repeat
-
-
-def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., Any]:
-    """``bundled`` -> ``cdna2_engine.load_model``; ``pkg.mod:factory`` -> that callable (errors name ``option``,
-    the flag the user typed)."""
-    if spec == "bundled":
-        import cdna2_engine as bundled
-
-        return bundled.load_model
-    if not ENGINE_SPEC.fullmatch(spec):
-        raise LookupError(f"{option}={spec}: expected bundled or module:factory")
-    module, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise LookupError(f"{option}={spec}: cannot import {module!r}: {e}") from None
-    except Exception as e:  # the module itself fails (SyntaxError, an error raised at import): its author's to fix
-        raise LookupError(f"{option}={spec}: importing {module!r} raised {type(e).__name__}: {e}") from None
-    obj: Any = mod
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise LookupError(f"{option}={spec}: {module!r} has no callable {attr!r}")
-    import inspect
-
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):  # a builtin without a signature: called as it is
-        return obj
-    try:
-        sig.bind("MODEL_DIR", device="cpu", backend="reference")
-    except TypeError:
-        raise LookupError(f"{option}={spec}: {attr}{sig} cannot be called as factory(path, device=..., "
-                          f"backend=...[, dtype=...])") from None
-    return obj
-
-
-def takes_dtype(factory: Callable[..., Any]) -> bool:
-    """Whether an engine factory accepts ``dtype=`` (the bundled one does; a user's may not)."""
-    import inspect
-
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-    return "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def engine_kwargs(factory: Callable[..., Any], settings: Settings) -> dict[str, Any]:
-    """{"dtype": ...} for factories that accept it."""
-    return {"dtype": settings.dtype} if takes_dtype(factory) else {}
 
 
 def regenerate_goldens(settings: Settings) -> GoldenStore:
@@ -240,17 +172,18 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
     except LookupError as e:
         _stop(request, f"cdna2: {e}")
     try:
-        model = factory(str(s.model), device=s.device, backend=s.backend, **engine_kwargs(factory, s))
+        model = factory(str(s.model), device=s.device, backend=s.backend,
+                        **({"dtype": s.dtype} if takes_dtype(factory) else {}))
     except Exception as e:  # keep the traceback for the engine's author, but stop: nothing can pass now
         ours = s.engine == "bundled" or s.engine.startswith("cdna2_engine.")  # the bundled engine or its faults
         if ours and isinstance(e, ValueError):  # CheckpointError, ConfigError, a bad CDNA2_FAULT: one line that
             _stop(request, f"cdna2: {e}")  # names the file or setting and the fix
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise
-    missing = engine_missing(model)
-    if missing:
-        _stop(request, f"cdna2: --cdna2-engine={s.engine} returned {type(model).__name__}, not a model: it has no "
-                       f"{', '.join(missing)} (the README's Model API)")
+    try:
+        check_engine(model, f"--cdna2-engine={s.engine}")
+    except ValueError as e:
+        _stop(request, f"cdna2: {e}")
     return model
 
 

@@ -787,18 +787,13 @@ def build_goldens(
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"unknown floating dtype {dtype!r}")
     writer = GoldenWriter(out_dir, regen=regen)  # refuse an existing store before the slow part
-    if model is None:
-        from pytest_cdna2.fixtures import resolve_factory, takes_dtype
+    from pytest_cdna2.engines import check_engine, load_engine
 
-        factory = resolve_factory(engine, option="--engine")
-        kw = {"dtype": str(dtype).removeprefix("torch.")} if takes_dtype(factory) else {}  # a name, as pytest passes
-        model = factory(str(model_dir), device=device, backend=backend, **kw)
-    from pytest_cdna2.fixtures import engine_missing
-
-    missing = engine_missing(model, also=("trace",))
-    if missing:
-        raise ValueError(f"engine {type(model).__name__} has no {', '.join(missing)}: goldens record its generate and "
-                         "its trace's logits, taps and selections (the README's Model API)")
+    if model is None:  # dtype a name, as pytest passes it
+        model = load_engine(engine, model_dir, device=device, backend=backend, dtype=str(dtype).removeprefix("torch."),
+                            also=("trace",))
+    else:
+        check_engine(model, "the engine given", also=("trace",))
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
         raise ValueError("no prompts")

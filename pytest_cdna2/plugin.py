@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from pytest_cdna2 import devices
+from pytest_cdna2.engines import ENGINE_SPEC
 from pytest_cdna2.fixtures import (  # noqa: F401  (fixtures are registered by being names of this module)
-    ENGINE_SPEC,
     REGENERATED,
     SETTINGS,
     Settings,

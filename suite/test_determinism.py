@@ -45,16 +45,16 @@ def test_devices_agree(cdna2_devices, cdna2_device, cdna2_engine, cdna2_settings
     device, one more engine at a time on each other (each may take a device's memory: V4-Flash)."""
     if len(cdna2_devices) < 2:
         pytest.skip("needs several devices: --cdna2-device=N,M or all")
-    from pytest_cdna2.fixtures import engine_kwargs, resolve_factory
+    from pytest_cdna2.engines import load_engine
 
     s = cdna2_settings
-    factory = resolve_factory(s.engine)
     outs = []
     for dev in cdna2_devices:
         if dev == cdna2_device:
             outs.append(cdna2_engine.forward(_ids(cdna2_engine)).cpu())
             continue
-        eng = factory(str(s.model), device=str(dev), backend=s.backend, **engine_kwargs(factory, s))
+        eng = load_engine(s.engine, s.model, device=str(dev), backend=s.backend, dtype=s.dtype,
+                          option="--cdna2-engine")
         outs.append(eng.forward(_ids(eng)).cpu())
         del eng
         gc.collect()

@@ -108,5 +108,29 @@ def test_cli_goldens_build_needs_trace(small, capsys, tmp_path):
     argv = ["goldens", "build", "--model", str(model), "--out", str(tmp_path / "g"), "--engine", "test_bisect:untraced"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "engine _Untraced has no trace: goldens record its generate and its trace's" in err
+    assert err.count("\n") == 1 and "--engine=test_bisect:untraced returned _Untraced, not a model: it has no trace " \
+        "(the README's Model API" in err
     assert not (tmp_path / "g").exists()
+
+
+class _NoConfig:
+    config = None
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def no_config(path, *, device="cpu", backend="reference", dtype=None):
+    import cdna2_engine
+
+    return _NoConfig(cdna2_engine.load_model(path, device=device, backend=backend, dtype=dtype))
+
+
+def test_cli_bisect_refuses_an_engine_without_the_model_api(small, capsys):
+    model, goldens = small
+    assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "test_bisect:no_config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it has no config.vocab_size, config.num_hidden_layers" in err, err

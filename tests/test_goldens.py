@@ -458,3 +458,23 @@ def test_the_float64_hint_is_for_other_engines_only(tmp_path):
     model.generate = off
     with pytest.raises(GoldenError, match=r"fix the engine before building goldens from it$"):
         build_goldens(None, tmp_path / "g", [b"hello"], 2, model=model, progress=False)
+
+
+def test_model_identity_falls_back_to_the_official_folder(tmp_path):
+    """An engine that names no sha256, or whose config lacks V4's fields (transformers'), is tied to the folder's
+    sha256 and bounded by its config.json; an engine that names both keeps its own; a folder in an engine's own
+    format (no config.json) gives what the engine gives."""
+    from types import SimpleNamespace as NS
+
+    from cdna2_engine.checkpoint import checkpoint_sha256
+    from cdna2_engine.config import Config
+    from pytest_cdna2.goldens import model_identity
+
+    from tiny_configs import make_checkpoint, make_config
+
+    folder = make_checkpoint(tmp_path / "m", make_config("csa-only"), seed=1)
+    sha, cfg = model_identity(NS(config=NS(vocab_size=97)), folder)
+    assert sha == checkpoint_sha256(folder) and isinstance(cfg, Config) and cfg.compress_ratios == [4, 4]
+    own = NS(checkpoint_sha256=lambda: "ab" * 32, config=NS(compress_ratios=[0]))
+    assert model_identity(own, folder) == ("ab" * 32, own.config)
+    assert model_identity(NS(config=NS(vocab_size=97)), tmp_path) == (None, NS(vocab_size=97))

@@ -247,10 +247,10 @@ def test_a_factory_that_returns_no_model_stops_the_run_in_one_line(pytester):
     r.assert_outcomes(errors=1)
     r.stdout.fnmatch_lines(["*Interrupted: cdna2: --cdna2-engine=factories:none returned NoneType, not a model: it "
                             "has no forward, generate, device, config.vocab_size, config.num_hidden_layers (the "
-                            "README's Model API)*"])
+                            "README's Model API; attributes, not dict keys)*"])
     r = run(pytester, "--cdna2-engine=factories:half", "--cdna2-model=m")
     r.stdout.fnmatch_lines(["*returned M, not a model: it has no generate, device, config.vocab_size, "
-                            "config.num_hidden_layers (the README's Model API)*"])
+                            "config.num_hidden_layers (the README's Model API; attributes, not dict keys)*"])
 
 
 @pytest.mark.parametrize("fault", [None, "bogus"])
@@ -302,3 +302,26 @@ def test_the_header_says_when_the_bundled_goldens_judge_their_own_computation(py
     r = run(pytester, "--co", *args)
     tail = ": the engine under test, judged against itself)" if itself else ")"
     r.stdout.fnmatch_lines([f"cdna2 goldens: */goldens (recorded by cdna2_engine in float64{tail}  tolerance: *"])
+
+
+def test_a_user_engines_broken_config_json_stops_the_golden_fixture_in_one_line(pytester, store):
+    """An engine whose config lacks V4's fields has the folder's config.json bound the goldens' selections: a broken
+    one is the reader's one line, not a traceback in every token test."""
+    (pytester.path / "a" / "config.json").write_text("{")
+    r = run(pytester, ENGINE, "--cdna2-model=a", "--cdna2-goldens=goldens")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: */a/config.json: *"])
+    assert "Traceback" not in r.stdout.str()
+
+
+def test_engine_members_must_be_there_and_callable():
+    from types import SimpleNamespace as NS
+
+    from pytest_cdna2.engines import engine_missing
+
+    config = NS(vocab_size=8, num_hidden_layers=2)
+    good = NS(forward=len, generate=len, device="cpu", config=config)
+    assert engine_missing(good) == [] and engine_missing(good, also=("trace",)) == ["trace"]
+    assert engine_missing(NS(**{**vars(good), "generate": 5, "trace": None}), also=("trace",)) == ["generate", "trace"]
+    assert engine_missing(NS(**{**vars(good), "config": {"vocab_size": 8, "num_hidden_layers": 2}})) == \
+        ["config.vocab_size", "config.num_hidden_layers"]  # the tiers read attributes
