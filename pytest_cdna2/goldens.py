@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pytest_cdna2.engines import check_engine, load_engine
+
 __all__ = [
     "FORMAT",
     "MANIFEST",
@@ -787,8 +789,6 @@ def build_goldens(
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"unknown floating dtype {dtype!r}")
     writer = GoldenWriter(out_dir, regen=regen)  # refuse an existing store before the slow part
-    from pytest_cdna2.engines import check_engine, load_engine
-
     if model is None:  # dtype a name, as pytest passes it
         model = load_engine(engine, model_dir, device=device, backend=backend, dtype=str(dtype).removeprefix("torch."),
                             also=("trace",))
