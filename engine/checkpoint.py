@@ -156,11 +156,13 @@ def shard_files(path: str | Path) -> list[Path]:
 
 def weight_bytes(path: str | Path) -> int:
     """Bytes of the tensors the reader loads (every key but MTP's), from the files' headers: no tensor is read."""
-    files = _Files(Path(path))
     total = 0
-    for name in sorted(set(files.where.values())):
-        with open(files.folder / name, "rb") as f:  # safetensors: u64 header length, then a JSON header
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for shard in shard_files(path):
+        with open(shard, "rb") as f:  # safetensors: u64 header length, then a JSON header
+            n = int.from_bytes(f.read(8), "little")
+            if n > 100_000_000:  # safetensors' own bound: a corrupt length must not read a whole shard
+                raise CheckpointError(f"{shard}: unreadable safetensors header: the file is truncated or corrupt")
+            header = json.loads(f.read(n))
         total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
                      if k != "__metadata__" and not k.startswith("mtp."))
     return total

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pytest_cdna2 import report
-from pytest_cdna2.engines import ENGINE_SPEC, check_engine, resolve_factory, takes_dtype  # noqa: F401
+from pytest_cdna2.engines import check_engine, resolve_factory, takes_dtype
 from pytest_cdna2.goldens import (
     DEFAULT_PROMPTS,
     MANIFEST,
