@@ -43,6 +43,7 @@ class Generation:
     tokens: torch.Tensor  # [B, n] the new tokens
     logits: torch.Tensor  # [B, n, vocab] the logits that chose each of them
     taps: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, n, ...] at each new token
+    selections: dict = field(default_factory=dict)  # recorded when generate forced some: as Trace.selections
 
 
 TAP_KINDS = ("attn_in", "attn_out", "attn", "ffn_in", "ffn_out", "ffn")
@@ -253,7 +254,8 @@ class Attention:
                 return ops.topk_mask(scores, k, out=out)  # hidden entries score -inf: never in the mask
         hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
         if forced is not None:
-            hit.scatter_(-1, torch.where(forced >= 0, forced, T), True)
+            hit.scatter_(-1, torch.where((forced >= 0) & (forced < T), forced, T), True)  # an entry not made yet
+            # (generate's prefill forced with picks checked against the whole run's entries): none
         return torch.logical_and(visible, hit[..., :T], out=out)
 
     def __call__(self, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
@@ -503,7 +505,7 @@ class Model:
         `selections` forces sparse picks: {(layer, "router" | "indexer"): indices [B, T, k] or Selection}, as
         `trace` records them for these input_ids (a hash layer's router routes by token id: not forceable)."""
         self._check_ids(input_ids)
-        forced = self._check_selections(selections, input_ids)
+        forced = self._check_selections(selections, input_ids.shape)
         return self.step(input_ids, self.new_cache(), _Ctx(forced, False, ()))
 
     __call__ = forward
@@ -518,36 +520,51 @@ class Model:
         are what the forward uses. `taps` may be one name or a comma list."""
         self._check_ids(input_ids)
         taps = self._check_taps(taps)
-        ctx = _Ctx(self._check_selections(selections, input_ids), True, taps)
+        ctx = _Ctx(self._check_selections(selections, input_ids.shape), True, taps)
         logits = self.step(input_ids, self.new_cache(), ctx)
         return Trace(logits, ctx.selections, ctx.taps)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                 taps: str | tuple[str, ...] | list[str] = (), graph: bool | None = None) -> Generation:
+                 taps: str | tuple[str, ...] | list[str] = (), graph: bool | None = None,
+                 selections: dict | None = None) -> Generation:
         """Greedy decode (argmax ties -> lower id): a prefill, then one `decode` step per new token over a
-        `StaticCache`. `graph` (default: on for CUDA/ROCm devices with the triton backend and no taps)
-        replays the step as a CUDA graph after the first one. Prompt + max_new_tokens must fit in
-        max_position_embeddings (as vLLM's max_model_len)."""
+        `StaticCache`. `graph` (default: on for CUDA/ROCm devices with the triton backend, no taps and no
+        selections) replays the step as a CUDA graph after the first one. Prompt + max_new_tokens must fit in
+        max_position_embeddings (as vLLM's max_model_len).
+
+        `selections` forces sparse picks at every position the decode computes (the prompt's and each new
+        token's but the last: `trace` records them on those tokens) and records the engine's own picks given
+        them in `Generation.selections`, as `trace` does: so decode can be judged against its prefill with a
+        near-tie flip told apart from a bug."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         self._check_ids(input_ids, max_new_tokens)
         taps = self._check_taps(taps)
+        B, T = input_ids.shape
+        S = T + max(max_new_tokens, 1) - 1  # positions whose picks the run computes
+        forcing = selections is not None
+        forced = self._check_selections(selections, (B, S)) if forcing else {}
         if graph is None:
-            graph = self.graph_safe() and not taps
-        if graph and taps:
-            raise ValueError("generate: taps cannot be recorded inside a CUDA graph; pass graph=False")
+            graph = self.graph_safe() and not taps and not forcing
+        if graph and (taps or forcing):
+            raise ValueError(f"generate: {'taps' if taps else 'selections'} cannot be "
+                             f"{'recorded' if taps else 'forced'} inside a CUDA graph; pass graph=False")
         if graph and self.device.type != "cuda":
             raise ValueError(f"generate: graph=True needs a CUDA/ROCm device, the model is on {self.device}")
-        B, T = input_ids.shape
-        toks, logits, tapped = [], [], {t: [] for t in taps}
-        ctx = _Ctx(None, False, taps)
+        toks, logits, tapped, picked = [], [], {t: [] for t in taps}, []
+
+        def ctx_at(start: int, stop: int) -> _Ctx:
+            return _Ctx({key: idx[:, start:stop] for key, idx in forced.items()}, forcing, taps)
+
+        ctx = ctx_at(0, T)
         cache, sc, replay = self.new_cache(), None, None
-        out = self.step(input_ids, cache, ctx, last_only=True)[:, -1] if max_new_tokens else None
+        out = self.step(input_ids, cache, ctx, last_only=not forcing)[:, -1] if max_new_tokens else None
         for n in range(max_new_tokens):
             ids = out.argmax(-1, keepdim=True)
             toks.append(ids)
             logits.append(out)
+            picked.append(ctx.selections)
             for t in taps:
                 tapped[t].append(ctx.taps[t][:, -1])
             if n + 1 == max_new_tokens:
@@ -555,14 +572,30 @@ class Model:
             if sc is None:
                 sc = self.static_cache(cache, T + max_new_tokens)
                 replay = DecodeGraph(self, sc) if graph else None
-            ctx = _Ctx(None, False, taps)
+            ctx = ctx_at(T + n, T + n + 1)
             out = (replay(ids) if replay else self.decode(ids, sc, ctx))[:, -1]
         return Generation(  # no new tokens: empty, of the dtype and device n > 0 would give
             torch.cat(toks, 1) if toks else torch.zeros(B, 0, dtype=torch.long, device=self.device),
             torch.stack(logits, 1) if logits else torch.zeros(B, 0, self.cfg.vocab_size, dtype=_acc(self.dtype),
                                                               device=self.device),
             {t: torch.stack(v, 1) for t, v in tapped.items()},
+            self._joined_picks(picked, S) if forcing else {},
         )
+
+    def _joined_picks(self, picked: list[dict], S: int) -> dict:
+        """Each step's recorded selections as one Selection per key over all S positions, k as `trace` of S
+        tokens has it (an early step's indexer sees fewer entries: the columns it lacks are -1, no entry)."""
+        out = {}
+        for key in picked[0] if picked else ():
+            k = self._pick_width(key[1], S)
+            idx = [torch.nn.functional.pad(p[key].indices, (0, max(0, k - p[key].indices.shape[-1])), value=-1)
+                   [..., :k] for p in picked]
+            out[key] = Selection(torch.cat(idx, 1), torch.cat([p[key].margin for p in picked], 1))
+        return out
+
+    def _pick_width(self, kind: str, S: int) -> int:
+        """k of a router or indexer selection over S tokens (CSA, ratio 4, has S // 4 entries)."""
+        return self.cfg.num_experts_per_tok if kind == "router" else min(self.cfg.index_topk, S // 4)
 
     def graph_safe(self) -> bool:
         """Whether a decode step can be captured: a GPU, and every op a triton kernel (reference ops read
@@ -600,10 +633,11 @@ class Model:
             raise ValueError(f"unknown tap(s) {bad}: use 'L.<{'|'.join(TAP_KINDS)}>' with L in 0..{last}")
         return taps
 
-    def _check_selections(self, selections: dict | None, input_ids: torch.Tensor) -> dict:
+    def _check_selections(self, selections: dict | None, shape: tuple[int, int]) -> dict:
         """Forced selections as {(layer, kind): indices} on the model's device, every key, shape and id checked
-        against the config and input_ids [B, S]: a wrong one failed deep in the forward or was ignored."""
-        cfg, (B, S) = self.cfg, input_ids.shape
+        against the config and the [B, S] positions they cover: a wrong one failed deep in the forward or was
+        ignored."""
+        cfg, (B, S) = self.cfg, tuple(shape)
         out = {}
         for key, sel in (selections or {}).items():
             i, kind = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
@@ -622,10 +656,10 @@ class Model:
                                  f"{getattr(idx, 'dtype', type(idx).__name__)}")
             entries = S // 4  # CSA's compressed entries after a prefill of S tokens
             k, lo, hi = ((cfg.num_experts_per_tok, 0, cfg.n_routed_experts - 1) if kind == "router"
-                         else (min(cfg.index_topk, entries), -1, entries - 1))
+                         else (self._pick_width(kind, S), -1, entries - 1))
             if tuple(idx.shape) != (B, S, k):
-                raise ValueError(f"selections[{key!r}] has shape {tuple(idx.shape)}, input_ids {(B, S)} need "
-                                 f"{(B, S, k)}: record them with trace on these input_ids")
+                raise ValueError(f"selections[{key!r}] has shape {tuple(idx.shape)}, {(B, S)} positions need "
+                                 f"{(B, S, k)}: record them with trace on those tokens")
             if idx.numel() and (idx.min() < lo or idx.max() > hi):
                 what = "expert ids" if kind == "router" else "compressed entries (-1: none)"
                 raise ValueError(f"selections[{key!r}] holds ids {int(idx.min())}..{int(idx.max())}, outside {lo}..{hi}"

@@ -320,15 +320,15 @@ class SelectionDiff:
 
 def _rows(t: Any, name: str) -> torch.Tensor:
     t = torch.as_tensor(t).detach().cpu()
-    if t.dim() == 3 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 2:
-        raise ValueError(f"{name} indices must be [T, k] or [1, T, k], got shape {tuple(t.shape)}")
+    if t.dim() not in (2, 3):
+        raise ValueError(f"{name} indices must be [T, k] or [B, T, k], got shape {tuple(t.shape)}")
+    t = t.reshape(-1, t.shape[-1])  # [B, T, k]: row b's position t is b * T + t
     return t.long().sort(-1).values  # a selection is a set: order within the top-k does not matter
 
 
 def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
-    """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k]; expected also ``.margin`` [T]).
+    """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k] or [B, T, k]; expected also ``.margin``
+    [T] or [B, T]; a position is then b * T + t).
 
     Keys only in one map are an error: the engines disagree about which layers select at all.
     """

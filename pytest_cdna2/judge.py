@@ -10,6 +10,7 @@ tie_margin), the forced logits are judged; a flip away from a near-tie is a bug 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +102,69 @@ INCREMENTAL_PROMPT = 100  # tokens: a decode of 40 from here crosses position 12
 # 174-213 and never closed an HCA window in decode: a wrong rotation there went unseen)
 
 
-def incremental_spread(engine: Any, steps: int = 40) -> float:
-    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same tokens,
-    for two different prompts decoded together (a decode that mixes batch rows, e.g. writes one row's key into
-    every row's cache, shows in the second row; the suite decodes at batch 1 nowhere else)."""
+def _incremental_run(engine: Any, steps: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """Two different prompts decoded together (a decode that mixes batch rows, e.g. writes one row's key into
+    every row's cache, shows in the second row; the suite decodes at batch 1 nowhere else): the prompts, the
+    generation, and the tokens a prefill must see to give the same logits."""
     ids = probe_ids(engine, repeat=2)[:, :INCREMENTAL_PROMPT]
     batch = torch.cat([ids, (ids + 1) % engine.config.vocab_size])  # the probe and another prompt of its length
     gen = engine.generate(batch, steps)
-    full = engine.forward(torch.cat([batch, gen.tokens], 1)[:, :-1])[:, batch.shape[1] - 1:]
-    return (gen.logits.float() - full.float()).abs().max().item()
+    return batch, gen, torch.cat([batch, gen.tokens], 1)[:, :-1]
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def incremental_spread(engine: Any, steps: int = 40) -> float:
+    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same tokens
+    (`_incremental_run`), sparse picks left to each path."""
+    batch, gen, seq = _incremental_run(engine, steps)
+    return _max_abs(gen.logits, engine.forward(seq)[:, batch.shape[1] - 1:])
+
+
+def takes_selections(engine: Any) -> bool:
+    """Whether the engine has trace and its generate takes the Model API's optional `selections`."""
+    try:
+        params = inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+    return has_trace(engine) and "selections" in params
+
+
+@dataclass(frozen=True)
+class Incremental:
+    diff: float  # max |logit difference| judged
+    near_tie_flips: int  # > 0: judged with the prefill's selections forced on the decode
+    message: str  # the failure, one line ("" when within the limit)
+
+
+def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int = 40) -> Incremental:
+    """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring:
+    over the limit, the decode runs again with the prefill's selections forced; its own picks must differ
+    from the prefill's only at near-ties (a decode path's kernels round differently from a prefill's: in
+    bfloat16 a flip somewhere in 80 positions is the rule), and then its forced logits are judged."""
+    batch, gen, seq = _incremental_run(engine, steps)
+    T, S = batch.shape[1], seq.shape[1]
+    diff = _max_abs(gen.logits, engine.forward(seq)[:, T - 1:])
+    if diff <= limit:
+        return Incremental(diff, 0, "")
+    failure = f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"
+    if not takes_selections(engine):
+        return Incremental(diff, 0, failure + " (the engine's generate takes no selections: a near-tie flip "
+                                              "cannot be told from a bug)")
+    tr = engine.trace(seq)
+    forced = engine.generate(batch, steps, selections=tr.selections)
+    sel = selection_diff(forced.selections, tr.selections, tie_margin=tie_margin)
+    if sel.real:
+        layer, kind, flat = sel.first_real
+        row, pos = divmod(flat, S)
+        return Incremental(diff, 0, f"{failure}; {len(sel.real)} decode picks differ from the prefill's away from "
+                                    f"near-ties (first: layer {layer} {kind}, row {row} position {pos})")
+    if not sel.near_tie:
+        return Incremental(diff, 0, failure)
+    n = len(sel.near_tie)
+    diff = _max_abs(forced.logits, tr.logits[:, T - 1:])
+    return Incremental(diff, n, "" if diff <= limit else
+                       f"incremental decode with the prefill's selections forced ({n} near-tie flips) differs from "
+                       f"prefill by {diff:.3e} (limit {limit:.1e})")

@@ -92,6 +92,54 @@ def test_generate_is_greedy_over_incremental_steps(ckpt):
         assert torch.allclose(gen.taps[name], trace.taps[name][:, prompt.shape[1] - 1:], rtol=0, atol=1e-10)
 
 
+def test_generate_forced_with_its_prefill_picks_records_them(ckpt):
+    """generate(selections=) forces the picks `trace` recorded on prompt + new tokens and records its own: with
+    the prefill's own picks forced, a float64 decode reproduces them at every position and its logits are
+    unchanged (batch 2; the prompt's 110 tokens + 30 cross HCA's close at 127 and window wraps)."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 110), generator=torch.Generator().manual_seed(17))
+    gen = model.generate(prompt, 30)
+    assert gen.selections == {}  # nothing forced: nothing recorded
+    trace = model.trace(torch.cat([prompt, gen.tokens], 1)[:, :-1])
+    forced = model.generate(prompt, 30, selections=trace.selections)
+    assert torch.equal(forced.tokens, gen.tokens) and rel(forced.logits, gen.logits).max() <= 1e-12
+    assert set(forced.selections) == set(trace.selections) and any(k[1] == "indexer" for k in trace.selections)
+    for key, sel in trace.selections.items():
+        assert torch.equal(forced.selections[key].indices.sort(-1).values, sel.indices.sort(-1).values), key
+
+
+def test_generate_forces_a_decode_pick_and_records_its_own(ckpt):
+    """A different router pick forced at one decode position changes that step's logits and none before it,
+    while the recorded pick there stays the engine's own (as `trace` with selections)."""
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(19))
+    gen = model.generate(prompt, 10)
+    trace = model.trace(torch.cat([prompt, gen.tokens], 1)[:, :-1])
+    key = next(k for k in sorted(trace.selections) if k[1] == "router")
+    picks = {k: s.indices.clone() for k, s in trace.selections.items()}
+    pos = 44  # the decode of new token 4, whose logits pick new token 5
+    own = picks[key][0, pos].clone()
+    picks[key][0, pos] = torch.tensor([e for e in range(cfg.n_routed_experts) if e not in own.tolist()][:own.numel()])
+    forced = model.generate(prompt, 10, selections=picks)
+    step = pos - prompt.shape[1] + 1
+    assert rel(forced.logits[:, :step], gen.logits[:, :step]).max() <= 1e-12
+    assert rel(forced.logits[:, step], gen.logits[:, step]).max() > 1e-3
+    assert torch.equal(forced.selections[key].indices[0, pos].sort().values, own.sort().values)
+
+
+def test_generate_refuses_selections_it_cannot_force(ckpt):
+    path, cfg = ckpt
+    model = cdna2_engine.load_model(path, dtype=torch.float64)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(23))
+    trace = model.trace(torch.cat([prompt, prompt[:, :3]], 1))  # 15 positions: 4 new tokens need 15
+    with pytest.raises(ValueError, match=r"selections cannot be forced inside a CUDA graph; pass graph=False"):
+        model.generate(prompt, 4, selections=trace.selections, graph=True)
+    with pytest.raises(ValueError, match=r"has shape \(1, 15, \d+\), \(1, 14\) positions need"):
+        model.generate(prompt, 3, selections=trace.selections)
+
+
 def test_last_only_prefill_gives_the_last_logits_and_the_same_cache(ckpt):
     """`step(..., last_only=True)` (generate's prefill: the last layer's FFN and both heads on the last position
     only) returns the full prefill's last logits, and leaves the cache as the full prefill does."""

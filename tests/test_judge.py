@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cdna2_engine
 from cdna2_engine.model import Selection
-from pytest_cdna2.judge import judge_prompt
+from pytest_cdna2.judge import batch_spread, incremental_spread, judge_incremental, judge_prompt
 from pytest_cdna2.tolerance import load_profile
 
 T, V, K = 6, 50, 2
@@ -120,9 +121,59 @@ class Causal:
 def test_determinism_probes_see_rows_mixed_and_stale_decode():
     """The determinism tier's probes are 0 for a model that keeps rows apart and decodes what it prefills, and
     well above any limit for one that mixes the batch's rows or decodes from a stale cache."""
-    from pytest_cdna2.judge import batch_spread, incremental_spread
-
     assert max(batch_spread(Causal())) == 0.0 and incremental_spread(Causal(), steps=8) == 0.0
     assert min(batch_spread(Causal(batch_leak=True))) > 1.0
     assert incremental_spread(Causal(stale=True), steps=8) > 1.0
     assert incremental_spread(Causal(decode_mix=True), steps=8) > 1.0  # its second row decodes the first's tokens
+    # an engine without generate(selections=) is judged on its unforced spread, and the failure says why
+    r = judge_incremental(Causal(stale=True), 0.5, 1e-4, steps=8)
+    assert r.diff > 1.0 and "takes no selections" in r.message
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from pytest_cdna2.plugin import DEFAULT_MODEL
+
+    return cdna2_engine.load_model(DEFAULT_MODEL, dtype=torch.float32)
+
+
+def off_decode_router(monkeypatch, model, bias: float = 0.0, weight: float = 1.0) -> None:
+    """A decode whose router differs from the prefill's (a step's 2 rows against a prefill's 2 x 139): a fixed
+    per-expert bias on its logits of up to `bias` (a kernel that rounds them otherwise: flips where the prefill's
+    margin is small), its routing weights times `weight` (a bug that changes no pick)."""
+    route = model.ops.route
+
+    def off(logits, *args):
+        if logits.shape[0] > 2:
+            return route(logits, *args)
+        idx, w, margin = route(logits + bias * torch.cos(torch.arange(logits.shape[-1]) * 1.7), *args)
+        return idx, w * weight, margin
+
+    monkeypatch.setattr(model.ops, "route", off)
+
+
+BF16_TIE = load_profile(dtype="bfloat16").token.tie_margin  # 8.2e-2: rounding flips seen in bfloat16
+
+
+def test_incremental_near_tie_flips_are_judged_forced(tiny_model, monkeypatch):
+    """Router logits off by <= 0.01 in decode flip 2 picks at near-ties: 1.85 unforced, within bf16's 0.5 once the
+    prefill's picks are forced (what a bf16 decode kernel does on the H200: 1.8, run 247)."""
+    off_decode_router(monkeypatch, tiny_model, bias=0.01)
+    assert incremental_spread(tiny_model) > 1.0
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert not r.message and r.near_tie_flips > 0 and r.diff < 0.1
+
+
+def test_incremental_flips_away_from_near_ties_fail(tiny_model, monkeypatch):
+    off_decode_router(monkeypatch, tiny_model, bias=0.3)  # flips where the prefill's margin is up to ~0.6
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert "decode picks differ from the prefill's away from near-ties (first: layer" in r.message
+    off_decode_router(monkeypatch, tiny_model, bias=0.01)
+    assert "away from near-ties" in judge_incremental(tiny_model, 0.5, 0.0).message  # no tie forgiven
+
+
+def test_incremental_drift_without_a_flip_fails(tiny_model, monkeypatch):
+    """A decode bug that moves no pick is not forgiven by forcing: the forced run flips nothing."""
+    off_decode_router(monkeypatch, tiny_model, weight=1.5)
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert r.message.startswith("incremental decode differs from prefill by") and r.near_tie_flips == 0
