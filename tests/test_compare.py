@@ -240,3 +240,27 @@ def test_limits_hold_at_their_boundary():
     assert_logits_close(off, logits, limits={"max_abs": 0.0505})
     with pytest.raises(AssertionError, match=r"step 1: max_abs 5\.000e-02 at token 2 > limit 4\.950e-02"):
         assert_logits_close(off, logits, limits={"max_abs": 0.0495})
+
+
+def test_logit_metrics_in_chunks_equal_the_whole(monkeypatch):
+    """Chunks of 3 positions (V4-Flash's vocabulary is metered by LOGIT_ROWS) give the metrics of one pass,
+    locations included: ties, a bf16 side, and non-finite values past the first chunk."""
+    from pytest_cdna2 import compare
+
+    g = torch.Generator().manual_seed(4)
+    e = (torch.randn(2, 7, 11, generator=g) * 3).round()  # rounded: argmax and max-abs ties
+    a = (e + torch.randn(2, 7, 11, generator=g)).round()
+    a[1, 5, 3], e[1, 6, 2] = float("nan"), float("inf")  # both in the last chunks
+    row_metrics, seen = compare._row_metrics, []
+    monkeypatch.setattr(compare, "_row_metrics", lambda x, y: seen.append(len(x)) or row_metrics(x, y))
+    for actual in (a, a.bfloat16()):
+        seen.clear()
+        monkeypatch.setattr(compare, "LOGIT_ROWS", 3)
+        chunked = compare.logit_metrics(actual, e)
+        assert max(seen) == 3 and sum(seen) == 14
+        monkeypatch.setattr(compare, "LOGIT_ROWS", 10**9)
+        whole = compare.logit_metrics(actual, e)
+        assert torch.equal(chunked.kl, whole.kl) and chunked.nonfinite == whole.nonfinite == 2
+        for f in ("kl_max_at", "cosine_min", "cosine_min_at", "max_abs", "max_abs_at", "top1_agreement",
+                  "first_divergence", "topk_rank", "nonfinite_at"):
+            assert getattr(chunked, f) == getattr(whole, f), f
