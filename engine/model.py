@@ -478,6 +478,22 @@ class Model:
     def config(self) -> Config:
         return self.cfg
 
+    @contextlib.contextmanager
+    def reference_ops(self, names: list[str] | tuple[str, ...]):
+        """This model with the ops `names` also taken from the reference for the block (the kernel search of
+        bisect and the token tier: loading a model per op held two copies, refused for V4-Flash on one GPU)."""
+        from .ops import get_ops
+
+        old = self.ops
+        self._use_ops(get_ops(old.backend, sorted(set(old.reference_ops) | set(split_names(names)))))
+        try:
+            yield self
+        finally:
+            self._use_ops(old)
+
+    def _use_ops(self, ops) -> None:
+        self.ops = self.rope_main.ops = self.rope_c.ops = ops
+
     def checkpoint_sha256(self) -> str | None:
         """sha256 over the checkpoint's config.json and safetensors (computed on first use: it reads every
         byte, minutes for a full-size checkpoint)."""

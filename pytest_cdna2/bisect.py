@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,15 +83,15 @@ def locate(engine, input_ids: torch.Tensor, golden_taps: dict[str, torch.Tensor]
     return first_drift({k: v[0] for k, v in tr.taps.items()}, golden_taps, limit)
 
 
-def kernel_culprit(load: Callable[[list[str]], object], passes: Callable[[object], bool],
-                   op_names: tuple[str, ...] | None = None) -> str | None:
-    """The first op whose switch back to the reference makes `passes` true: `load(reference_ops)` builds a
-    triton-backend engine with those ops taken from the reference. None when no single op explains it."""
+def kernel_culprit(model: Any, passes: Callable[[object], bool], op_names: tuple[str, ...] | None = None) -> str | None:
+    """The first op whose switch back to the reference makes `passes(model)` true, on the bundled engine's
+    triton backend (`Model.reference_ops`: the one model in memory). None when no single op explains it."""
     if op_names is None:
         from cdna2_engine.ops import OP_NAMES as op_names
     for op in op_names:
-        if passes(load([op])):
-            return op
+        with model.reference_ops([op]) as m:
+            if passes(m):
+                return op
     return None
 
 
@@ -107,11 +108,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
 
     lim = load_profile(tolerance, dtype=dtype).token
 
-    def load(reference_ops: list[str] | None = None):
-        extra = {} if reference_ops is None else {"reference_ops": reference_ops}
-        return load_engine(engine, model_dir, device=device, backend=backend, dtype=dtype, **extra)
-
-    model = load()
+    model = load_engine(engine, model_dir, device=device, backend=backend, dtype=dtype)
     sha, config = model_identity(model, model_dir)
     store = GoldenStore.open(goldens_dir, expected_model_sha256=sha, config=config)
     lines = []
@@ -131,7 +128,7 @@ def bisect_run(model_dir, goldens_dir, *, backend: str = "reference", dtype: str
             lines.append(f"  {drift or 'every tap within limits'} (taps of prompt {tap_prompt}, the golden's "
                          "selections forced)")
         if backend == "triton" and engine == "bundled":
-            op = kernel_culprit(load, lambda m, name=name: judge_prompt(m, store, name, lim).ok)
+            op = kernel_culprit(model, lambda m, name=name: judge_prompt(m, store, name, lim).ok)
             lines.append(f"  kernel: {op} (switching it back to the reference removes the failure)" if op else
                          "  kernel: no single op's reference twin removes the failure")
         break

@@ -27,17 +27,11 @@ def _why(engine, golden, prompt, limit) -> str:
     return f" [{drift}{where}]" if drift else f" [every tap within limits{where}]"
 
 
-def _kernel(settings, golden, prompt, lim) -> str:
+def _kernel(settings, engine, golden, prompt, lim) -> str:
     """On the bundled triton backend: the first op whose reference twin makes this prompt pass."""
     if settings.backend != "triton" or settings.engine != "bundled":
         return ""
-    import cdna2_engine
-
-    def load(ref_ops):
-        return cdna2_engine.load_model(settings.model, device=settings.device, backend="triton",
-                                       dtype=settings.dtype, reference_ops=ref_ops)
-
-    op = kernel_culprit(load, lambda m: judge_prompt(m, golden, prompt, lim).ok)
+    op = kernel_culprit(engine, lambda m: judge_prompt(m, golden, prompt, lim).ok)
     return f" [kernel {op}: its reference twin removes the failure]" if op else " [no single kernel explains it]"
 
 
@@ -54,7 +48,7 @@ def test_teacher_forced_logits(golden_prompt, cdna2_engine, cdna2_golden, cdna2_
         cdna2_record("near_tie_flips", v.near_tie_flips, float("inf"), what=what)
     if not v.ok:
         why = _why(cdna2_engine, cdna2_golden, golden_prompt, lim.tap_rtol_fro)
-        raise AssertionError(v.message + why + _kernel(cdna2_settings, cdna2_golden, golden_prompt, lim))
+        raise AssertionError(v.message + why + _kernel(cdna2_settings, cdna2_engine, cdna2_golden, golden_prompt, lim))
 
 
 def test_greedy_continuation(golden_prompt, cdna2_engine, cdna2_golden, cdna2_tolerance, cdna2_record):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cdna2_engine
 import cdna2_engine.ops.triton as tri
 from cdna2_engine.ops import OP_NAMES, reference
 from pytest_cdna2.bisect import BLOCKS, first_drift, tap_order
@@ -65,11 +66,27 @@ def test_cli_bisect_names_the_broken_kernel(small, capsys, monkeypatch):
     for op in OP_NAMES:
         monkeypatch.setattr(tri, op, getattr(reference, op), raising=False)
     monkeypatch.setattr(tri, "rms_norm", lambda x, w, eps: reference.rms_norm(x, w, eps * 1e5))
+    loads = []
+    load_model = cdna2_engine.load_model
+    monkeypatch.setattr(cdna2_engine, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
     assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--backend", "triton"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("p00: FAIL prompt p00:")
     assert "first drift at layer 0" in out and "(taps of prompt p00, the golden's selections forced)" in out
     assert "kernel: rms_norm (switching it back to the reference removes the failure)" in out
+    assert len(loads) == 1  # the search switches the one model's ops (a model per op: two V4-Flash on one GPU)
+
+
+def test_reference_ops_switch_the_ops_for_a_block(small):
+    model = cdna2_engine.load_model(small[0], backend="triton")
+    assert model.ops.rms_norm is tri.rms_norm and model.rope_main.ops is model.ops
+    with model.reference_ops(["rms_norm", "rope"]) as m:
+        assert m is model and m.ops.rms_norm is reference.rms_norm and m.ops.rope is reference.rope
+        assert m.ops.linear is tri.linear and m.rope_c.ops is m.ops and m.ops.reference_ops == ("rms_norm", "rope")
+    assert model.ops.rms_norm is tri.rms_norm and model.rope_c.ops is model.ops and not model.ops.reference_ops
+    with pytest.raises(ValueError, match="unknown op"), model.reference_ops(["rms_nrm"]):
+        pass
+    assert model.ops.rms_norm is tri.rms_norm
 
 
 class _Untraced:
