@@ -1,6 +1,6 @@
 """Why does bf16 triton incremental decode differ from its prefill? (run 247's question: 1.8 on the H200)
 1. graph on/off, and the determinism tier's judge (near-tie flips forced); 2. decode selections vs the
-prefill's at each step, with the prefill's margin; 3. each op taken from the reference in turn."""
+prefill's at each step, with the prefill's margin; 3. with --ops, each op taken from the reference in turn."""
 import sys
 
 import torch
@@ -11,7 +11,8 @@ from cdna2_engine.ops import OP_NAMES
 from pytest_cdna2.judge import INCREMENTAL_PROMPT, judge_incremental, probe_ids
 from pytest_cdna2.tolerance import load_profile
 
-MODEL, DEV, STEPS = "goldens/tiny-v4/model", sys.argv[1] if len(sys.argv) > 1 else "cuda:0", 40
+ARGS = [a for a in sys.argv[1:] if a != "--ops"]
+MODEL, DEV, STEPS = "goldens/tiny-v4/model", ARGS[0] if ARGS else "cuda:0", 40
 
 
 def spread(m, ids, graph=None):
@@ -46,6 +47,7 @@ for n in range(STEPS - 1):
             print(f"step {n} pos {pos} {key} differs: decode margin {sel.margin[0, -1].item():.3e} "
                   f"prefill margin {ref.margin[0, pos].item():.3e}", flush=True)
 
-for op in OP_NAMES:
-    r = load_model(MODEL, device=DEV, backend="triton", dtype="bfloat16", reference_ops=[op])
-    print(f"reference {op:24s}", spread(r, ids), flush=True)
+if "--ops" in sys.argv:  # each op from the reference in turn (~1 min more)
+    for op in OP_NAMES:
+        r = load_model(MODEL, device=DEV, backend="triton", dtype="bfloat16", reference_ops=[op])
+        print(f"reference {op:24s}", spread(r, ids), flush=True)
