@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -543,14 +545,49 @@ def convert_hf_checkpoint(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
-def checkpoint_sha256(path: str | Path) -> str:
-    """One hash over config.json and every safetensors file, in name order (identifies a model)."""
+def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
+    """One hash over config.json and every safetensors file, in name order (identifies a model). `cached`: reuse
+    the hash computed last time for the same files (path, size, mtime and inode of each, as make and git's index
+    judge a file unchanged), kept in `hash_cache_dir()`: hashing V4-Flash's ~160 GB takes minutes a session."""
     folder = Path(path)
+    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
+    stamp = json.dumps([str(folder.resolve())] + [[p.name, *_file_stamp(p)] for p in files])
+    entry = hash_cache_dir() / (hashlib.sha256(stamp.encode()).hexdigest() + ".sha256")
+    if cached:
+        try:
+            known = entry.read_text(encoding="ascii").strip()
+            if re.fullmatch(r"[0-9a-f]{64}", known):
+                return known
+        except (OSError, UnicodeDecodeError):
+            pass
+    start = time.time_ns()
     h = hashlib.sha256()
-    for p in sorted([folder / "config.json", *folder.glob("*.safetensors")]):
+    for p in files:
         h.update(p.name.encode())
         with open(p, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    settled = all(p.stat().st_mtime_ns < start - 2_000_000_000 for p in files)  # a file written in the last 2 s
+    # could be written again within its timestamp's granularity and keep its stamp ("racy git"): not kept
+    if cached and settled and stamp == json.dumps([str(folder.resolve())] + [[p.name, *_file_stamp(p)] for p in files]):
+        try:  # only when no file changed while it was read; a cache that cannot be written costs a rehash
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest + "\n", encoding="ascii")
+            tmp.replace(entry)
+        except OSError:
+            pass
+    return digest
 
+
+def _file_stamp(p: Path) -> list[int]:
+    st = p.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def hash_cache_dir() -> Path:
+    """Where checkpoint hashes are kept: $CDNA2_CACHE_DIR, else $XDG_CACHE_HOME/pytest-cdna2 (~/.cache)."""
+    if os.environ.get("CDNA2_CACHE_DIR"):
+        return Path(os.environ["CDNA2_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytest-cdna2"

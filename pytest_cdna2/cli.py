@@ -91,7 +91,7 @@ def cmd_goldens_verify(args: argparse.Namespace) -> int:
         model = _existing_dir(args.model, "--model")
         config = Config.load(model)  # a folder without config.json or weights is no checkpoint: its one line
         shard_files(model)
-        sha = checkpoint_sha256(model)
+        sha = checkpoint_sha256(model, cached=False)  # verify: every byte, now
     try:
         store = goldens.GoldenStore.open(args.dir, expected_model_sha256=sha, config=config)
     except goldens.GoldenError as e:

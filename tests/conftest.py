@@ -2,11 +2,13 @@
 cores: oversubscribed threads made small ops ~6x slower here)."""
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 pytest_plugins = ["pytester"]
+os.environ["CDNA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="cdna2-test-cache-")  # never the user's hash cache
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

@@ -8,9 +8,12 @@ linears) must load to the same weights and logits, and packed weights must stay 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -926,3 +929,32 @@ def test_a_missing_key_is_found_before_any_tensor_is_read(ck, monkeypatch):
     with pytest.raises(CheckpointError, match=f"missing key {re.escape(key)}"):
         read_checkpoint(ck)
     assert counting.read == 0
+
+
+def _age(folder: Path, seconds: float) -> None:
+    """Backdate every file: the hash cache keeps no hash of a file written in the last 2 s (racy timestamps)."""
+    t = time.time() - seconds
+    for p in folder.iterdir():
+        os.utime(p, (t, t))
+
+
+def test_checkpoint_hash_is_cached_by_file_stamps(tmp_path, monkeypatch):
+    """A second hash of unchanged files is read from the cache (V4-Flash: minutes a session); a file rewritten
+    (new mtime) is hashed again; cached=False (goldens verify) always reads every byte; a fresh file is not
+    cached at all (it could change again within its timestamp's granularity)."""
+    monkeypatch.setenv("CDNA2_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_checkpoint(tmp_path / "m", make_config("csa-only"), seed=3)
+    fresh = checkpoint.checkpoint_sha256(folder)
+    assert not (tmp_path / "cache").exists()  # files written just now: not kept
+    _age(folder, 60.0)
+    true = checkpoint.checkpoint_sha256(folder)
+    assert true == fresh and len(list((tmp_path / "cache").iterdir())) == 1
+    reads, sha256 = [], hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: reads.append(a) or sha256(*a))
+    assert checkpoint.checkpoint_sha256(folder) == true and len(reads) == 1  # the key's hash only: no file read
+    assert checkpoint.checkpoint_sha256(folder, cached=False) == true and len(reads) == 3  # key + the files' hash
+    cfg = folder / "config.json"
+    cfg.write_text(cfg.read_text() + " ")
+    _age(folder, 30.0)  # a new mtime, however old
+    changed = checkpoint.checkpoint_sha256(folder)
+    assert changed != true and changed == checkpoint.checkpoint_sha256(folder, cached=False)
