@@ -550,9 +550,9 @@ class Model:
         max_position_embeddings (as vLLM's max_model_len).
 
         `selections` forces sparse picks at every position the decode computes (the prompt's and each new
-        token's but the last: `trace` records them on those tokens) and records the engine's own picks given
-        them in `Generation.selections`, as `trace` does: so decode can be judged against its prefill with a
-        near-tie flip told apart from a bug."""
+        token's but the last: `trace` records them on those tokens; `{}` forces none) and records the engine's
+        own picks given them in `Generation.selections`, as `trace` does (none when max_new_tokens is 0): so a
+        decode can be judged against its prefill with a near-tie flip told apart from a bug."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         self._check_ids(input_ids, max_new_tokens)

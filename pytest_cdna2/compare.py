@@ -337,9 +337,10 @@ class SelectionDiff:
 
 def _rows(t: Any, name: str) -> torch.Tensor:
     t = torch.as_tensor(t).detach().cpu()
-    if t.dim() not in (2, 3):
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if t.dim() != 3:
         raise ValueError(f"{name} indices must be [T, k] or [B, T, k], got shape {tuple(t.shape)}")
-    t = t.reshape(-1, t.shape[-1])  # [B, T, k]: row b's position t is b * T + t
     return t.long().sort(-1).values  # a selection is a set: order within the top-k does not matter
 
 
@@ -357,9 +358,10 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         a, e = _rows(actual[key].indices, "actual"), _rows(expected[key].indices, "expected")
         if a.shape != e.shape:
             raise ValueError(f"selection {key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
-        margin = expected[key].margin
-        margin = torch.full((e.shape[0],), math.inf) if margin is None else torch.as_tensor(margin).cpu().flatten()
-        compared += e.shape[0]
-        for t in (a != e).any(-1).nonzero().flatten().tolist():
+        margin = expected[key].margin  # flat: row b's position t is b * T + t
+        margin = torch.full((e[..., 0].numel(),), math.inf) if margin is None else \
+            torch.as_tensor(margin).cpu().flatten()
+        compared += e[..., 0].numel()
+        for t in (a != e).any(-1).flatten().nonzero().flatten().tolist():
             (near if float(margin[t]) < tie_margin else real).append((key[0], key[1], t))
     return SelectionDiff(tuple(near), tuple(real), compared)

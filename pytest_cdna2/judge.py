@@ -102,14 +102,11 @@ INCREMENTAL_PROMPT = 100  # tokens: a decode of 40 from here crosses position 12
 # 174-213 and never closed an HCA window in decode: a wrong rotation there went unseen)
 
 
-def _incremental_run(engine: Any, steps: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
+def _incremental_batch(engine: Any) -> torch.Tensor:
     """Two different prompts decoded together (a decode that mixes batch rows, e.g. writes one row's key into
-    every row's cache, shows in the second row; the suite decodes at batch 1 nowhere else): the prompts, the
-    generation, and the tokens a prefill must see to give the same logits."""
+    every row's cache, shows in the second row; the suite decodes at batch 1 nowhere else)."""
     ids = probe_ids(engine, repeat=2)[:, :INCREMENTAL_PROMPT]
-    batch = torch.cat([ids, (ids + 1) % engine.config.vocab_size])  # the probe and another prompt of its length
-    gen = engine.generate(batch, steps)
-    return batch, gen, torch.cat([batch, gen.tokens], 1)[:, :-1]
+    return torch.cat([ids, (ids + 1) % engine.config.vocab_size])  # the probe and another prompt of its length
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,13 +115,15 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def incremental_spread(engine: Any, steps: int = 40) -> float:
     """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same tokens
-    (`_incremental_run`), sparse picks left to each path."""
-    batch, gen, seq = _incremental_run(engine, steps)
+    (`_incremental_batch`), sparse picks left to each path."""
+    batch = _incremental_batch(engine)
+    gen = engine.generate(batch, steps)
+    seq = torch.cat([batch, gen.tokens], 1)[:, :-1]
     return _max_abs(gen.logits, engine.forward(seq)[:, batch.shape[1] - 1:])
 
 
 def takes_selections(engine: Any) -> bool:
-    """Whether the engine has trace and its generate takes the Model API's optional `selections`."""
+    """Whether the engine has trace and its generate names the Model API's optional `selections` parameter."""
     try:
         params = inspect.signature(engine.generate).parameters
     except (TypeError, ValueError):
@@ -135,36 +134,50 @@ def takes_selections(engine: Any) -> bool:
 @dataclass(frozen=True)
 class Incremental:
     diff: float  # max |logit difference| judged
-    near_tie_flips: int  # > 0: judged with the prefill's selections forced on the decode
+    near_tie_flips: int  # > 0: judged against a prefill given the decode's own selections
     message: str  # the failure, one line ("" when within the limit)
 
 
 def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int = 40) -> Incremental:
-    """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring:
-    over the limit, the decode runs again with the prefill's selections forced; its own picks must differ
-    from the prefill's only at near-ties (a decode path's kernels round differently from a prefill's: in
-    bfloat16 a flip somewhere in 80 positions is the rule), and then its forced logits are judged."""
-    batch, gen, seq = _incremental_run(engine, steps)
-    T, S = batch.shape[1], seq.shape[1]
+    """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring
+    turned round: over the limit, the decode runs again recording its own selections (`generate(...,
+    selections={})`: eager, its steps bit-identical to the first run's or it fails) and the prefill is run with
+    those forced in. The prefill's own picks given that upstream must differ from the decode's only at the prefill's
+    near-ties (a decode's kernels round otherwise than a prefill's: in bfloat16 a flip somewhere in 80 positions
+    is the rule), and then the decode's logits are judged against that prefill's. The decode judged is the one
+    the engine ran, on its own tokens and picks: a bug in its picking or weighting is not forced away."""
+    batch = _incremental_batch(engine)
+    T = batch.shape[1]
+    gen = engine.generate(batch, steps)
+    seq = torch.cat([batch, gen.tokens], 1)[:, :-1]
     diff = _max_abs(gen.logits, engine.forward(seq)[:, T - 1:])
     if diff <= limit:
         return Incremental(diff, 0, "")
     failure = f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"
     if not takes_selections(engine):
-        return Incremental(diff, 0, failure + " (the engine's generate takes no selections: a near-tie flip "
-                                              "cannot be told from a bug)")
-    tr = engine.trace(seq)
-    forced = engine.generate(batch, steps, selections=tr.selections)
-    sel = selection_diff(forced.selections, tr.selections, tie_margin=tie_margin)
+        return Incremental(diff, 0, failure + " (the engine's generate has no selections parameter: a near-tie "
+                                              "flip cannot be told from a bug)")
+    try:
+        rec = engine.generate(batch, steps, selections={})
+        # the decode steps repeat bit for bit (a CUDA graph's replay and an eager step alike); the first token's
+        # logits may round otherwise: recording runs the prefill's last layer on every position, not the last
+        if not (torch.equal(rec.tokens, gen.tokens) and torch.equal(rec.logits[:, 1:], gen.logits[:, 1:])):
+            return Incremental(diff, 0, f"{failure}; a second decode recording its selections differs from the "
+                                        f"first by {_max_abs(rec.logits, gen.logits):.3e} (decode steps must repeat "
+                                        "bit for bit, a CUDA graph's replay and an eager step alike)")
+        tr = engine.trace(seq, selections=rec.selections)
+        sel = selection_diff(rec.selections, tr.selections, tie_margin=tie_margin)
+    except (ValueError, AttributeError) as e:  # an engine that records no selections, or another form of them
+        return Incremental(diff, 0, f"{failure}; the decode's selections cannot be judged: {e}")
     if sel.real:
         layer, kind, flat = sel.first_real
-        row, pos = divmod(flat, S)
+        row, pos = divmod(flat, seq.shape[1])
         return Incremental(diff, 0, f"{failure}; {len(sel.real)} decode picks differ from the prefill's away from "
                                     f"near-ties (first: layer {layer} {kind}, row {row} position {pos})")
     if not sel.near_tie:
         return Incremental(diff, 0, failure)
     n = len(sel.near_tie)
-    diff = _max_abs(forced.logits, tr.logits[:, T - 1:])
+    diff = _max_abs(rec.logits, tr.logits[:, T - 1:])
     return Incremental(diff, n, "" if diff <= limit else
-                       f"incremental decode with the prefill's selections forced ({n} near-tie flips) differs from "
-                       f"prefill by {diff:.3e} (limit {limit:.1e})")
+                       f"incremental decode differs by {diff:.3e} (limit {limit:.1e}) from a prefill given its "
+                       f"selections ({n} near-tie flips)")

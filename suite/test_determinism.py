@@ -34,11 +34,11 @@ def test_batch_of_one_matches_batch_of_many(cdna2_engine, cdna2_tolerance, cdna2
 def test_incremental_decode_matches_prefill(cdna2_engine, cdna2_tolerance, cdna2_record):
     """Greedy decode (prefill + one step per token) against one prefill of the same tokens; the probe is
     long enough to wrap the sliding window and close compression windows during the decode. A decode whose
-    sparse picks flipped at near-ties is judged with the prefill's picks forced (pytest_cdna2.judge)."""
+    sparse picks flipped at near-ties is judged against a prefill given its picks (pytest_cdna2.judge)."""
     limit = cdna2_tolerance.determinism.incremental_max_abs
     r = judge_incremental(cdna2_engine, limit, cdna2_tolerance.token.tie_margin)
     cdna2_record("incremental_max_abs", r.diff, limit,
-                 what=f"{r.near_tie_flips} near-tie flips forced" if r.near_tie_flips else "")
+                 what=f"{r.near_tie_flips} near-tie flips" if r.near_tie_flips else "")
     assert not r.message, r.message
 
 

@@ -220,7 +220,7 @@ def test_first_real_flip_is_the_earliest_step_then_the_lowest_layer():
               (2, "router"): S(indices=torch.tensor([[0, 1], [2, 7], [4, 5]]), margin=None)}  # step 1
     assert selection_diff(engine, golden, tie_margin=1e-4).first_real == (1, "router", 1)
     engine[(2, "router")] = S(indices=idx[:, :1], margin=None)
-    with pytest.raises(ValueError, match=r"selection \(2, 'router'\): shape \(3, 1\) != expected \(3, 2\)"):
+    with pytest.raises(ValueError, match=r"selection \(2, 'router'\): shape \(1, 3, 1\) != expected \(1, 3, 2\)"):
         selection_diff(engine, golden, tie_margin=1e-4)
 
 

@@ -92,21 +92,28 @@ def test_generate_is_greedy_over_incremental_steps(ckpt):
         assert torch.allclose(gen.taps[name], trace.taps[name][:, prompt.shape[1] - 1:], rtol=0, atol=1e-10)
 
 
-def test_generate_forced_with_its_prefill_picks_records_them(ckpt):
-    """generate(selections=) forces the picks `trace` recorded on prompt + new tokens and records its own: with
-    the prefill's own picks forced, a float64 decode reproduces them at every position and its logits are
-    unchanged (batch 2; the prompt's 110 tokens + 30 cross HCA's close at 127 and window wraps)."""
+@pytest.mark.parametrize("prompt_len, new", [(110, 30), (10, 20), (8, 8)])
+def test_generate_records_the_picks_its_prefill_makes(ckpt, prompt_len, new):
+    """generate(selections=) records its own picks at every position it computes, as `trace` of those tokens
+    does (float64: the same picks), forcing none with {} and the prefill's with them, logits unchanged. Batch 2;
+    110 + 30 tokens cross HCA's close at 127, 10 + 20 start with fewer indexer entries than the run's k (padded
+    with -1), 8 + 8 with more room in the cache than the run's k (cut)."""
     path, cfg = ckpt
     model = cdna2_engine.load_model(path, dtype=torch.float64)
-    prompt = torch.randint(0, cfg.vocab_size, (2, 110), generator=torch.Generator().manual_seed(17))
-    gen = model.generate(prompt, 30)
-    assert gen.selections == {}  # nothing forced: nothing recorded
+    prompt = torch.randint(0, cfg.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(17))
+    gen = model.generate(prompt, new)
+    assert gen.selections == {}  # nothing asked: nothing recorded
     trace = model.trace(torch.cat([prompt, gen.tokens], 1)[:, :-1])
-    forced = model.generate(prompt, 30, selections=trace.selections)
-    assert torch.equal(forced.tokens, gen.tokens) and rel(forced.logits, gen.logits).max() <= 1e-12
-    assert set(forced.selections) == set(trace.selections) and any(k[1] == "indexer" for k in trace.selections)
-    for key, sel in trace.selections.items():
-        assert torch.equal(forced.selections[key].indices.sort(-1).values, sel.indices.sort(-1).values), key
+    assert any(k[1] == "indexer" for k in trace.selections)
+    for picks in ({}, trace.selections):
+        forced = model.generate(prompt, new, selections=picks)
+        assert torch.equal(forced.tokens, gen.tokens) and rel(forced.logits, gen.logits).max() <= 1e-12
+        assert set(forced.selections) == set(trace.selections)
+        for key, sel in trace.selections.items():
+            assert forced.selections[key].indices.shape == sel.indices.shape, key
+            assert torch.equal(forced.selections[key].indices.sort(-1).values, sel.indices.sort(-1).values), key
+            big = 1e300  # no competitor: inf, or float64's largest where a margin went through nan_to_num
+            assert torch.equal(forced.selections[key].margin >= big, sel.margin >= big), key
 
 
 def test_generate_forces_a_decode_pick_and_records_its_own(ckpt):

@@ -127,7 +127,7 @@ def test_determinism_probes_see_rows_mixed_and_stale_decode():
     assert incremental_spread(Causal(decode_mix=True), steps=8) > 1.0  # its second row decodes the first's tokens
     # an engine without generate(selections=) is judged on its unforced spread, and the failure says why
     r = judge_incremental(Causal(stale=True), 0.5, 1e-4, steps=8)
-    assert r.diff > 1.0 and "takes no selections" in r.message
+    assert r.diff > 1.0 and "generate has no selections parameter" in r.message
 
 
 @pytest.fixture(scope="module")
@@ -137,19 +137,30 @@ def tiny_model():
     return cdna2_engine.load_model(DEFAULT_MODEL, dtype=torch.float32)
 
 
-def off_decode_router(monkeypatch, model, bias: float = 0.0, weight: float = 1.0) -> None:
-    """A decode whose router differs from the prefill's (a step's 2 rows against a prefill's 2 x 139): a fixed
-    per-expert bias on its logits of up to `bias` (a kernel that rounds them otherwise: flips where the prefill's
-    margin is small), its routing weights times `weight` (a bug that changes no pick)."""
-    route = model.ops.route
+def off_decode_router(monkeypatch, model, bias: float = 0.0, weight: float = 1.0, last_only: bool = False) -> None:
+    """A decode whose router differs from the prefill's (inside Model.decode only): a fixed per-expert bias on
+    its logits of up to `bias` (a kernel that rounds them otherwise: flips where the prefill's margin is small),
+    its routing weights times `weight` (a bug that changes no pick; `last_only`: in the last layer alone, so no
+    later pick sees it)."""
+    route, decode, calls = model.ops.route, model.decode, []  # calls: route calls in this decode step
 
     def off(logits, *args):
-        if logits.shape[0] > 2:
+        if not calls:
             return route(logits, *args)
+        calls[0] += 1
         idx, w, margin = route(logits + bias * torch.cos(torch.arange(logits.shape[-1]) * 1.7), *args)
-        return idx, w * weight, margin
+        last = calls[0] == model.cfg.num_hidden_layers  # every layer routes once a step (a hash layer by id)
+        return idx, (w * weight if last or not last_only else w), margin
+
+    def marked(*args, **kwargs):
+        calls.append(0)
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            calls.pop()
 
     monkeypatch.setattr(model.ops, "route", off)
+    monkeypatch.setattr(model, "decode", marked)
 
 
 BF16_TIE = load_profile(dtype="bfloat16").token.tie_margin  # 8.2e-2: rounding flips seen in bfloat16
@@ -168,12 +179,35 @@ def test_incremental_flips_away_from_near_ties_fail(tiny_model, monkeypatch):
     off_decode_router(monkeypatch, tiny_model, bias=0.3)  # flips where the prefill's margin is up to ~0.6
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
     assert "decode picks differ from the prefill's away from near-ties (first: layer" in r.message
+    monkeypatch.undo()
     off_decode_router(monkeypatch, tiny_model, bias=0.01)
     assert "away from near-ties" in judge_incremental(tiny_model, 0.5, 0.0).message  # no tie forgiven
 
 
 def test_incremental_drift_without_a_flip_fails(tiny_model, monkeypatch):
-    """A decode bug that moves no pick is not forgiven by forcing: the forced run flips nothing."""
+    """A decode bug that moves no pick is not forgiven: no pick differs, so the unforced verdict stands."""
     off_decode_router(monkeypatch, tiny_model, weight=1.5)
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
     assert r.message.startswith("incremental decode differs from prefill by") and r.near_tie_flips == 0
+
+
+def test_incremental_bug_beside_near_tie_flips_fails(tiny_model, monkeypatch):
+    """Near-tie flips do not excuse a bug in the decode's own routing weights (a review's hole: forcing the
+    prefill's picks on the decode took the weights' path the bug was not on): the decode judged is the one
+    that ran, against a prefill given its picks."""
+    off_decode_router(monkeypatch, tiny_model, bias=0.01, weight=3.0, last_only=True)  # no later pick sees it
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert "from a prefill given its selections" in r.message and r.near_tie_flips > 0 and r.diff > 0.5
+    monkeypatch.undo()
+    off_decode_router(monkeypatch, tiny_model, bias=0.01, weight=1.2)  # every layer: later picks move
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert "decode picks differ from the prefill's away from near-ties" in r.message
+
+
+def test_incremental_decode_that_does_not_repeat_fails(tiny_model, monkeypatch):
+    """The recording rerun must repeat the decode steps bit for bit: a decode with noise (a race, a stale graph
+    buffer) is not judged on a second run that happened to go otherwise."""
+    decode, g = tiny_model.decode, torch.Generator().manual_seed(5)
+    monkeypatch.setattr(tiny_model, "decode", lambda *a, **k: decode(*a, **k) + torch.rand(1, generator=g).item())
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert "a second decode recording its selections differs from the first" in r.message
