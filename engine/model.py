@@ -25,10 +25,13 @@ from .streams import SideStream, stream_key
 @dataclass
 class Selection:
     """A sparse choice at every position: indices [B, S, k] (-1 = no entry) and the k-th minus (k+1)-th
-    score [B, S] (inf when nothing competes): a small margin means a flip there is rounding, not a bug."""
+    score [B, S] (inf when nothing competes): a small margin means a flip there is rounding, not a bug, when
+    the entry that came in is the (k+1)-th, `runner_up` [B, S] (-1: none; recorded by the engine, not stored in
+    goldens)."""
 
     indices: torch.Tensor
     margin: torch.Tensor | None
+    runner_up: torch.Tensor | None = None
 
 
 @dataclass
@@ -247,9 +250,15 @@ class Attention:
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
             scores = ops.index_scores(q, keys, hw, scale, visible)  # [B, S, T], -inf where not visible
             if ctx.recording:  # picks of hidden entries recorded as -1
-                idx, margin = ops.topk(scores, k)
-                ctx.record(self.i, "indexer", torch.where(torch.gather(scores, -1, idx) == float("-inf"), -1, idx),
-                           torch.nan_to_num(margin, nan=float("inf")))
+                idx = ops.topk(scores, min(k + 1, T))[0]  # the k picks and the runner-up, best first
+                vals = torch.gather(scores, -1, idx)
+                idx = torch.where(vals == float("-inf"), -1, idx)
+                if k < T:
+                    inf = float("inf")  # -inf minus -inf: no competitor
+                    runner, margin = idx[..., k], torch.nan_to_num(vals[..., k - 1] - vals[..., k], nan=inf, posinf=inf)
+                else:
+                    runner, margin = torch.full_like(idx[..., 0], -1), torch.full_like(vals[..., 0], float("inf"))
+                ctx.record(self.i, "indexer", idx[..., :k], margin, runner)
             if forced is None:
                 return ops.topk_mask(scores, k, out=out)  # hidden entries score -inf: never in the mask
         hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
@@ -352,7 +361,9 @@ class MoE:
             fixed = w[p + "gate.tid2eid"][ids.reshape(-1)]
         if fixed is None and (forced is None or ctx.recording):  # forced: the engine's own pick is still recorded
             idx, weights, margin = ops.route(logits, bias, *route)
-            ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S))
+            if ctx.recording:
+                ctx.record(self.i, "router", idx.view(B, S, -1), margin.view(B, S),
+                           _runner_up(ops, logits, bias, route, idx).view(B, S))
         if forced is not None:
             fixed = forced.reshape(-1, k)
         if fixed is not None:
@@ -388,6 +399,17 @@ class MoE:
         return self.m.ops.linear(h, w2)
 
 
+def _runner_up(ops, logits: torch.Tensor, bias, route: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """The expert a router would add as its (k+1)-th pick [T] (-1 when there is none: k = all experts): what a
+    rounding flip at its margin brings in."""
+    k = route[0]
+    if k >= logits.shape[-1]:
+        return torch.full(idx.shape[:1], -1, dtype=torch.long, device=idx.device)
+    more = ops.route(logits, bias, k + 1, *route[1:])[0]  # the same top-k plus one, ties alike
+    new = ~(more.unsqueeze(-1) == idx.unsqueeze(-2)).any(-1)  # [T, k + 1]: not among the k
+    return torch.where(new.sum(-1) == 1, (more * new).sum(-1), -1)
+
+
 class _Ctx:
     """Per-call bookkeeping: selections to force, selections and taps to record."""
 
@@ -407,9 +429,9 @@ class _Ctx:
         sel = self._forced.get((layer, kind))
         return None if sel is None else (sel.indices if isinstance(sel, Selection) else sel)
 
-    def record(self, layer: int, kind: str, idx: torch.Tensor, margin: torch.Tensor) -> None:
+    def record(self, layer: int, kind: str, idx: torch.Tensor, margin: torch.Tensor, runner_up: torch.Tensor) -> None:
         if self._record:
-            self.selections[(layer, kind)] = Selection(idx, margin)
+            self.selections[(layer, kind)] = Selection(idx, margin, runner_up)
 
     def tap(self, name: str, h: torch.Tensor) -> None:
         if name in self.taps_wanted:
@@ -606,7 +628,8 @@ class Model:
             k = self._pick_width(key[1], S)
             idx = [torch.nn.functional.pad(p[key].indices, (0, max(0, k - p[key].indices.shape[-1])), value=-1)
                    [..., :k] for p in picked]
-            out[key] = Selection(torch.cat(idx, 1), torch.cat([p[key].margin for p in picked], 1))
+            out[key] = Selection(torch.cat(idx, 1), torch.cat([p[key].margin for p in picked], 1),
+                                 torch.cat([p[key].runner_up for p in picked], 1))
         return out
 
     def _pick_width(self, kind: str, S: int) -> int:

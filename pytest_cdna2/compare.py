@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -344,9 +345,17 @@ def _rows(t: Any, name: str) -> torch.Tensor:
     return t.long().sort(-1).values  # a selection is a set: order within the top-k does not matter
 
 
+def _swapped_in(actual: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """The one entry `actual` has in place of one of `expected`'s (None when more or fewer differ)."""
+    a, e = Counter(actual.tolist()), Counter(expected.tolist())
+    came, went = a - e, e - a
+    return next(iter(came)) if sum(came.values()) == 1 and sum(went.values()) == 1 else None
+
+
 def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
     """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k] or [B, T, k]; expected also ``.margin``
-    [T] or [B, T]; a position is then b * T + t).
+    [T] or [B, T]; a position is then b * T + t). Where expected also has ``.runner_up`` (its (k+1)-th pick), a
+    flip is a near-tie only if it swapped exactly that entry in: a wrong pick at a small margin is a bug.
 
     Keys only in one map are an error: the engines disagree about which layers select at all.
     """
@@ -361,7 +370,11 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         margin = expected[key].margin  # flat: row b's position t is b * T + t
         margin = torch.full((e[..., 0].numel(),), math.inf) if margin is None else \
             torch.as_tensor(margin).cpu().flatten()
+        runner = getattr(expected[key], "runner_up", None)  # the engine's records have it, goldens not
+        runner = None if runner is None else torch.as_tensor(runner).cpu().flatten().tolist()
         compared += e[..., 0].numel()
+        a2, e2 = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
         for t in (a != e).any(-1).flatten().nonzero().flatten().tolist():
-            (near if float(margin[t]) < tie_margin else real).append((key[0], key[1], t))
+            tie = float(margin[t]) < tie_margin and (runner is None or _swapped_in(a2[t], e2[t]) == runner[t])
+            (near if tie else real).append((key[0], key[1], t))
     return SelectionDiff(tuple(near), tuple(real), compared)

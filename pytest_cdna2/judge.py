@@ -136,16 +136,18 @@ class Incremental:
     diff: float  # max |logit difference| judged
     near_tie_flips: int  # > 0: judged against a prefill given the decode's own selections
     message: str  # the failure, one line ("" when within the limit)
+    cause: str = ""  # "limit": only the diff is over it; "flips", "repeat", "selections": a failure beside it
 
 
 def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int = 40) -> Incremental:
     """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring
     turned round: over the limit, the decode runs again recording its own selections (`generate(...,
     selections={})`: eager, its steps bit-identical to the first run's or it fails) and the prefill is run with
-    those forced in. The prefill's own picks given that upstream must differ from the decode's only at the prefill's
-    near-ties (a decode's kernels round otherwise than a prefill's: in bfloat16 a flip somewhere in 80 positions
-    is the rule), and then the decode's logits are judged against that prefill's. The decode judged is the one
-    the engine ran, on its own tokens and picks: a bug in its picking or weighting is not forced away."""
+    those forced in. The prefill's own picks given that upstream must differ from the decode's only at the
+    prefill's near-ties, each by the prefill's runner-up swapped in (a decode's kernels round otherwise than a
+    prefill's: in bfloat16 a flip somewhere in 80 positions is the rule), and then the first run's logits are
+    judged against that prefill's. The decode judged is the one the engine ran, on its own tokens and picks: a
+    bug in its picking or weighting is not forced away."""
     batch = _incremental_batch(engine)
     T = batch.shape[1]
     gen = engine.generate(batch, steps)
@@ -156,7 +158,7 @@ def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int =
     failure = f"incremental decode differs from prefill by {diff:.3e} (limit {limit:.1e})"
     if not takes_selections(engine):
         return Incremental(diff, 0, failure + " (the engine's generate has no selections parameter: a near-tie "
-                                              "flip cannot be told from a bug)")
+                                              "flip cannot be told from a bug)", "limit")
     try:
         rec = engine.generate(batch, steps, selections={})
         # the decode steps repeat bit for bit (a CUDA graph's replay and an eager step alike); the first token's
@@ -164,20 +166,20 @@ def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int =
         if not (torch.equal(rec.tokens, gen.tokens) and torch.equal(rec.logits[:, 1:], gen.logits[:, 1:])):
             return Incremental(diff, 0, f"{failure}; a second decode recording its selections differs from the "
                                         f"first by {_max_abs(rec.logits, gen.logits):.3e} (decode steps must repeat "
-                                        "bit for bit, a CUDA graph's replay and an eager step alike)")
+                                        "bit for bit, a CUDA graph's replay and an eager step alike)", "repeat")
         tr = engine.trace(seq, selections=rec.selections)
         sel = selection_diff(rec.selections, tr.selections, tie_margin=tie_margin)
     except (ValueError, AttributeError) as e:  # an engine that records no selections, or another form of them
-        return Incremental(diff, 0, f"{failure}; the decode's selections cannot be judged: {e}")
+        return Incremental(diff, 0, f"{failure}; the decode's selections cannot be judged: {e}", "selections")
     if sel.real:
         layer, kind, flat = sel.first_real
         row, pos = divmod(flat, seq.shape[1])
         return Incremental(diff, 0, f"{failure}; {len(sel.real)} decode picks differ from the prefill's away from "
-                                    f"near-ties (first: layer {layer} {kind}, row {row} position {pos})")
+                                    f"near-ties (first: layer {layer} {kind}, row {row} position {pos})", "flips")
     if not sel.near_tie:
-        return Incremental(diff, 0, failure)
+        return Incremental(diff, 0, failure, "limit")
     n = len(sel.near_tie)
-    diff = _max_abs(rec.logits, tr.logits[:, T - 1:])
+    diff = _max_abs(gen.logits, tr.logits[:, T - 1:])  # the first run's: its first token from its own prefill
     return Incremental(diff, n, "" if diff <= limit else
                        f"incremental decode differs by {diff:.3e} (limit {limit:.1e}) from a prefill given its "
-                       f"selections ({n} near-tie flips)")
+                       f"selections ({n} near-tie flips)", "" if diff <= limit else "limit")

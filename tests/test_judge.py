@@ -142,24 +142,31 @@ def off_decode_router(monkeypatch, model, bias: float = 0.0, weight: float = 1.0
     its logits of up to `bias` (a kernel that rounds them otherwise: flips where the prefill's margin is small),
     its routing weights times `weight` (a bug that changes no pick; `last_only`: in the last layer alone, so no
     later pick sees it)."""
-    route, decode, calls = model.ops.route, model.decode, []  # calls: route calls in this decode step
+    route, calls = model.ops.route, []  # calls: route calls in this decode step
 
     def off(logits, *args):
         if not calls:
             return route(logits, *args)
-        calls[0] += 1
+        calls[0] += args[1] == model.cfg.num_experts_per_tok  # not a recording's runner-up call (k + 1)
         idx, w, margin = route(logits + bias * torch.cos(torch.arange(logits.shape[-1]) * 1.7), *args)
         last = calls[0] == model.cfg.num_hidden_layers  # every layer routes once a step (a hash layer by id)
         return idx, (w * weight if last or not last_only else w), margin
 
+    monkeypatch.setattr(model.ops, "route", off)
+    mark_decoding(monkeypatch, model, calls)
+
+
+def mark_decoding(monkeypatch, model, marks: list) -> None:
+    """`marks` holds one 0 while Model.decode runs (a decode step), none otherwise."""
+    decode = model.decode
+
     def marked(*args, **kwargs):
-        calls.append(0)
+        marks.append(0)
         try:
             return decode(*args, **kwargs)
         finally:
-            calls.pop()
+            marks.pop()
 
-    monkeypatch.setattr(model.ops, "route", off)
     monkeypatch.setattr(model, "decode", marked)
 
 
@@ -186,9 +193,40 @@ def test_incremental_flips_away_from_near_ties_fail(tiny_model, monkeypatch):
 
 def test_incremental_drift_without_a_flip_fails(tiny_model, monkeypatch):
     """A decode bug that moves no pick is not forgiven: no pick differs, so the unforced verdict stands."""
-    off_decode_router(monkeypatch, tiny_model, weight=1.5)
+    off_decode_router(monkeypatch, tiny_model, weight=1.5, last_only=True)  # the last layer: no later pick moves
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
     assert r.message.startswith("incremental decode differs from prefill by") and r.near_tie_flips == 0
+    assert r.cause == "limit" and ";" not in r.message and r.diff > 0.5
+
+
+def test_incremental_wrong_pick_at_a_small_margin_fails(tiny_model, monkeypatch):
+    """A decode router that takes its worst expert in place of its k-th wherever its margin is small flips only
+    at near-ties by the margin, but not to the runner-up: a bug (a review's mutation, which passed before the
+    runner-up was recorded)."""
+    route, decoding = tiny_model.ops.route, []
+
+    def worst(logits, bias, k, *args):
+        idx, w, margin = route(logits, bias, k, *args)
+        if decoding and k == tiny_model.cfg.num_experts_per_tok and not (len(args) > 2 and args[2] is not None):
+            rows = (margin < 0.04) & ~(idx == logits.argmin(-1, keepdim=True)).any(-1)
+            idx = torch.where(rows[:, None] & (torch.arange(k) == k - 1), logits.argmin(-1, keepdim=True), idx)
+        return idx, w, margin
+
+    monkeypatch.setattr(tiny_model.ops, "route", worst)
+    mark_decoding(monkeypatch, tiny_model, decoding)
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert r.cause == "flips" and "away from near-ties" in r.message
+
+
+def test_incremental_first_token_from_a_wrong_prefill_fails(tiny_model, monkeypatch):
+    """The first token's logits come from a last-position prefill that the recording run does not take: judged
+    from the first run even when near-tie flips send the verdict to the prefill given the decode's picks."""
+    off_decode_router(monkeypatch, tiny_model, bias=0.01)  # near-tie flips
+    step = tiny_model.step
+    monkeypatch.setattr(tiny_model, "step", lambda *a, last_only=False, **kw:
+                        step(*a, last_only=last_only, **kw) + (1.0 if last_only else 0.0))
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert r.near_tie_flips > 0 and r.cause == "limit" and 0.9 < r.diff < 1.1
 
 
 def test_incremental_bug_beside_near_tie_flips_fails(tiny_model, monkeypatch):

@@ -67,7 +67,10 @@ def measure(model, store: GoldenStore, prompts: int | None = None, tokens: int |
 def determinism(model, tie_margin: float) -> dict[str, float]:
     """The determinism tier's own probes (pytest_cdna2.judge), on this model; the incremental one as the tier
     judges it when over its limit (near-tie flips forced: limit 0 forces whenever a pick flipped)."""
-    return {"batch": max(batch_spread(model)), "incremental": judge_incremental(model, 0.0, tie_margin).diff}
+    inc = judge_incremental(model, 0.0, tie_margin)
+    if inc.cause not in ("", "limit"):  # a failure beside the diff: no limit can be derived from it
+        raise SystemExit(f"derive_tolerances: the determinism probe fails on this engine: {inc.message}")
+    return {"batch": max(batch_spread(model)), "incremental": inc.diff}
 
 
 def limit(x: float, floor: float) -> float:
