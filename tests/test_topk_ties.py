@@ -78,10 +78,10 @@ def traced(tmp_path_factory):
     (lambda r, x: {1: r}, "unknown key 1:"),
     (lambda r, x: {(2, "indexer"): x}, r"layer 2 has no indexer \(compress ratio 128"),  # was ignored
     (lambda r, x: {(0, "router"): r}, "layer 0 routes by token id"),  # replaced the hash routing
-    (lambda r, x: {(1, "router"): r[:1]}, r"\(1, 'router'\)\] has shape \(1, 40, 3\), input_ids \(2, 40\) need "
+    (lambda r, x: {(1, "router"): r[:1]}, r"\(1, 'router'\)\] has shape \(1, 40, 3\), \(2, 40\) positions need "
                                           r"\(2, 40, 3\)"),  # was a raw torch error
-    (lambda r, x: {(1, "router"): r[:, :32]}, r"has shape \(2, 32, 3\), input_ids \(2, 40\) need \(2, 40, 3\)"),
-    (lambda r, x: {(1, "indexer"): x[..., :4]}, r"has shape \(2, 40, 4\), input_ids \(2, 40\) need \(2, 40, 5\)"),
+    (lambda r, x: {(1, "router"): r[:, :32]}, r"has shape \(2, 32, 3\), \(2, 40\) positions need \(2, 40, 3\)"),
+    (lambda r, x: {(1, "indexer"): x[..., :4]}, r"has shape \(2, 40, 4\), \(2, 40\) positions need \(2, 40, 5\)"),
     (lambda r, x: {(1, "router"): r.float()}, "indices must be an integer tensor, got torch.float32"),
     (lambda r, x: {(1, "router"): torch.full_like(r, 8)}, r"holds ids 8..8, outside 0..7 \(expert ids"),  # IndexError
     (lambda r, x: {(1, "router"): r - 1}, r"holds ids -1..6, outside 0..7"),
