@@ -551,7 +551,7 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
     judge a file unchanged), kept in `hash_cache_dir()`: hashing V4-Flash's ~160 GB takes minutes a session."""
     folder = Path(path)
     files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
-    stamp = json.dumps([str(folder.resolve())] + [[p.name, *_file_stamp(p)] for p in files])
+    stamp = _stamp(folder, files)
     entry = hash_cache_dir() / (hashlib.sha256(stamp.encode()).hexdigest() + ".sha256")
     if cached:
         try:
@@ -570,7 +570,7 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
     digest = h.hexdigest()
     settled = all(p.stat().st_mtime_ns < start - 2_000_000_000 for p in files)  # a file written in the last 2 s
     # could be written again within its timestamp's granularity and keep its stamp ("racy git"): not kept
-    if cached and settled and stamp == json.dumps([str(folder.resolve())] + [[p.name, *_file_stamp(p)] for p in files]):
+    if cached and settled and stamp == _stamp(folder, files):
         try:  # only when no file changed while it was read; a cache that cannot be written costs a rehash
             entry.parent.mkdir(parents=True, exist_ok=True)
             tmp = entry.with_suffix(f".{os.getpid()}.tmp")
@@ -581,9 +581,10 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
     return digest
 
 
-def _file_stamp(p: Path) -> list[int]:
-    st = p.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+def _stamp(folder: Path, files: list[Path]) -> str:
+    """The folder and each file's name, size, mtime and inode: what the hash cache is keyed by."""
+    return json.dumps([str(folder.resolve())] + [[p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino]
+                                                 for p in files])
 
 
 def hash_cache_dir() -> Path:

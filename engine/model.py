@@ -694,8 +694,8 @@ class Model:
                 raise ValueError(f"selections[{key!r}]: indices must be an integer tensor, got "
                                  f"{getattr(idx, 'dtype', type(idx).__name__)}")
             entries = S // 4  # CSA's compressed entries after a prefill of S tokens
-            k, lo, hi = ((cfg.num_experts_per_tok, 0, cfg.n_routed_experts - 1) if kind == "router"
-                         else (self._pick_width(kind, S), -1, entries - 1))
+            k = self._pick_width(kind, S)
+            lo, hi = (0, cfg.n_routed_experts - 1) if kind == "router" else (-1, entries - 1)
             if tuple(idx.shape) != (B, S, k):
                 raise ValueError(f"selections[{key!r}] has shape {tuple(idx.shape)}, {(B, S)} positions need "
                                  f"{(B, S, k)}: record them with trace on those tokens")

@@ -5,6 +5,7 @@ place for the pytest fixture, `cdna2 bisect` and `cdna2 goldens build`."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,6 @@ def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., 
         obj = getattr(obj, part, None)
     if not callable(obj):
         raise LookupError(f"{option}={spec}: {module!r} has no callable {attr!r}")
-    import inspect
-
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):  # a builtin without a signature: called as it is
@@ -64,8 +63,6 @@ def resolve_factory(spec: str, option: str = "--cdna2-engine") -> Callable[..., 
 
 def takes_dtype(factory: Callable[..., Any]) -> bool:
     """Whether an engine factory accepts ``dtype=`` (the bundled one does; a user's may not)."""
-    import inspect
-
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):

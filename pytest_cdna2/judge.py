@@ -113,15 +113,6 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def incremental_spread(engine: Any, steps: int = 40) -> float:
-    """Max |logit difference| of greedy decode (prefill + one step per token) vs one prefill of the same tokens
-    (`_incremental_batch`), sparse picks left to each path."""
-    batch = _incremental_batch(engine)
-    gen = engine.generate(batch, steps)
-    seq = torch.cat([batch, gen.tokens], 1)[:, :-1]
-    return _max_abs(gen.logits, engine.forward(seq)[:, batch.shape[1] - 1:])
-
-
 def takes_selections(engine: Any) -> bool:
     """Whether the engine has trace and its generate names the Model API's optional `selections` parameter."""
     try:

@@ -4,6 +4,7 @@ selections forced pass; a flip away from a near-tie fails whatever the logits.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import torch
 
 import cdna2_engine
 from cdna2_engine.model import Selection
-from pytest_cdna2.judge import batch_spread, incremental_spread, judge_incremental, judge_prompt
+from pytest_cdna2.judge import batch_spread, judge_incremental, judge_prompt
 from pytest_cdna2.tolerance import load_profile
 
 T, V, K = 6, 50, 2
@@ -118,13 +119,18 @@ class Causal:
         return SimpleNamespace(tokens=tokens[:, ids.shape[1]:], logits=torch.stack(logits, 1))
 
 
+def spread(engine, steps: int = 40) -> float:
+    """The decode-vs-prefill difference itself, picks left to each path (no limit: the first comparison)."""
+    return judge_incremental(engine, math.inf, 0.0, steps).diff
+
+
 def test_determinism_probes_see_rows_mixed_and_stale_decode():
     """The determinism tier's probes are 0 for a model that keeps rows apart and decodes what it prefills, and
     well above any limit for one that mixes the batch's rows or decodes from a stale cache."""
-    assert max(batch_spread(Causal())) == 0.0 and incremental_spread(Causal(), steps=8) == 0.0
+    assert max(batch_spread(Causal())) == 0.0 and spread(Causal(), steps=8) == 0.0
     assert min(batch_spread(Causal(batch_leak=True))) > 1.0
-    assert incremental_spread(Causal(stale=True), steps=8) > 1.0
-    assert incremental_spread(Causal(decode_mix=True), steps=8) > 1.0  # its second row decodes the first's tokens
+    assert spread(Causal(stale=True), steps=8) > 1.0
+    assert spread(Causal(decode_mix=True), steps=8) > 1.0  # its second row decodes the first's tokens
     # an engine without generate(selections=) is judged on its unforced spread, and the failure says why
     r = judge_incremental(Causal(stale=True), 0.5, 1e-4, steps=8)
     assert r.diff > 1.0 and "generate has no selections parameter" in r.message
@@ -177,7 +183,7 @@ def test_incremental_near_tie_flips_are_judged_forced(tiny_model, monkeypatch):
     """Router logits off by <= 0.01 in decode flip 2 picks at near-ties: 1.85 unforced, within bf16's 0.5 once the
     prefill's picks are forced (what a bf16 decode kernel does on the H200: 1.8, run 247)."""
     off_decode_router(monkeypatch, tiny_model, bias=0.01)
-    assert incremental_spread(tiny_model) > 1.0
+    assert spread(tiny_model) > 1.0
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
     assert not r.message and r.near_tie_flips > 0 and r.diff < 0.1
 

@@ -66,7 +66,7 @@ def measure(model, store: GoldenStore, prompts: int | None = None, tokens: int |
 
 def determinism(model, tie_margin: float) -> dict[str, float]:
     """The determinism tier's own probes (pytest_cdna2.judge), on this model; the incremental one as the tier
-    judges it when over its limit (near-tie flips forced: limit 0 forces whenever a pick flipped)."""
+    judges it when over its limit (limit 0: against a prefill given the decode's picks whenever one flipped)."""
     inc = judge_incremental(model, 0.0, tie_margin)
     if inc.cause not in ("", "limit"):  # a failure beside the diff: no limit can be derived from it
         raise SystemExit(f"derive_tolerances: the determinism probe fails on this engine: {inc.message}")
