@@ -26,8 +26,7 @@ from .streams import SideStream, stream_key
 class Selection:
     """A sparse choice at every position: indices [B, S, k] (-1 = no entry) and the k-th minus (k+1)-th
     score [B, S] (inf when nothing competes): a small margin means a flip there is rounding, not a bug, when
-    the entry that came in is the (k+1)-th, `runner_up` [B, S] (-1: none; recorded by the engine, not stored in
-    goldens)."""
+    the entry that came in is the (k+1)-th, `runner_up` [B, S] (-1: none)."""
 
     indices: torch.Tensor
     margin: torch.Tensor | None

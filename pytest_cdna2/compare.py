@@ -370,7 +370,7 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         margin = expected[key].margin  # flat: row b's position t is b * T + t
         margin = torch.full((e[..., 0].numel(),), math.inf) if margin is None else \
             torch.as_tensor(margin).cpu().flatten()
-        runner = getattr(expected[key], "runner_up", None)  # the engine's records have it, goldens not
+        runner = getattr(expected[key], "runner_up", None)  # engine records have it, goldens since 2026-12-07
         runner = None if runner is None else torch.as_tensor(runner).cpu().flatten().tolist()
         compared += e[..., 0].numel()
         a2, e2 = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])

@@ -8,7 +8,8 @@ A store is a folder with ``manifest.json`` and safetensors files (DESIGN.md sect
                             followed by the greedy continuation (Tf = len(prompt) + steps - 1)
     greedy.safetensors      "<p>.tokens" [steps], "<p>.logits" [steps, V]: free-running greedy decode
     taps.safetensors        "<p>.<layer>.attn" / "<p>.<layer>.ffn" [Tf, hc, D]: per-layer hidden states
-    selections.safetensors  "<p>.<layer>.<router|indexer>.indices" [Tf, k] and ".margin" [Tf]
+    selections.safetensors  "<p>.<layer>.<router|indexer>.indices" [Tf, k], ".margin" [Tf] and, where the engine
+                            records it, ".runner_up" [Tf] (the (k+1)-th pick, -1 for none)
 
 Verification happens at open: every file's sha256 is checked before any test reads a tensor (hashing a
 20 MB store takes milliseconds, and a corrupt golden must stop the run before it can pass or fail a test
@@ -67,7 +68,7 @@ BUNDLED_GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 _BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
 # the files a store may list; teacher and greedy always, taps and selections when the build recorded any
 GOLDEN_FILES = ("teacher.safetensors", "greedy.safetensors", "taps.safetensors", "selections.safetensors")
-_SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin)")
+_SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin|runner_up)")
 
 
 class GoldenError(Exception):
@@ -184,10 +185,13 @@ class GoldenPrompt:
 
 
 class GoldenSelection(NamedTuple):
-    """A recorded sparse selection: top-k ``indices`` [T, k] and k-th/(k+1)-th score ``margin`` [T]."""
+    """A recorded sparse selection: top-k ``indices`` [T, k], k-th/(k+1)-th score ``margin`` [T] and, in stores
+    built since 2026-12-07, the (k+1)-th pick ``runner_up`` [T] (-1: none): with it, a flip at a near-tie passes
+    only when it swapped exactly that entry in."""
 
     indices: torch.Tensor
     margin: torch.Tensor
+    runner_up: torch.Tensor | None = None
 
 
 def _logits_hold(logits: torch.Tensor, glog: torch.Tensor, dtype: str) -> bool:
@@ -366,27 +370,36 @@ class GoldenStore:
         for key in sorted(self.keys(file)):
             name, _, rest = key.partition(".")
             layer_s, kind, part = _SELECTION_KEY.fullmatch(rest).groups()
-            if part == "margin":
+            if part != "indices":
+                picks = key.removesuffix(part) + "indices"
+                if picks not in self.keys(file):
+                    raise GoldenError(f"{self.path / file}: {key} has no {picks}; {_BUILD_HINT}")
                 continue
             layer, base = int(layer_s), key.removesuffix(".indices")
             if base + ".margin" not in self.keys(file):
                 raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
             idx, margin = self._read(file, key), self._read(file, base + ".margin")
+            runner = self._read(file, base + ".runner_up") if base + ".runner_up" in self.keys(file) else None
             rows = lengths[name]
             ratio = ratios[layer] if ratios is not None and layer < len(ratios) else None
+            fits = runner is not None and idx.dim() == 2 and tuple(runner.shape) == (idx.shape[0],)
+            picks = torch.cat([idx, runner.view(-1, 1).to(idx.dtype)], 1) if fits else idx  # same bounds, -1 aside
             if layers is not None and layer >= layers:
                 problem = f"layer {layer}, the model has {layers}"
             elif idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != rows:
                 problem = f"indices {tuple(idx.shape)} {idx.dtype}, expected int64 [{rows}, k]"
             elif not margin.is_floating_point() or tuple(margin.shape) != (rows,) or not (margin >= 0).all():
                 problem = f"margins {tuple(margin.shape)} {margin.dtype}, expected {rows} floats >= 0 (inf: none)"
-            elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and idx.max() >= experts)):
-                problem = f"expert ids {idx.min()}..{idx.max()}, the model has {experts or 'ids from 0'}"
+            elif runner is not None and (runner.dtype != torch.int64 or tuple(runner.shape) != (rows,)
+                                         or (runner.numel() and runner.min() < -1)):
+                problem = f"runner_up {tuple(runner.shape)} {runner.dtype}, expected int64 [{rows}] (-1: none)"
+            elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and picks.max() >= experts)):
+                problem = f"expert ids {idx.min()}..{picks.max()}, the model has {experts or 'ids from 0'}"
             elif kind == "indexer" and ratio == 0:
                 problem = "an indexer selection on a layer without compressed attention"
             elif kind == "indexer" and idx.numel() and idx.min() < -1:
                 problem = f"entry {idx.min()} (picks are entries, or -1 for none)"
-            elif kind == "indexer" and ratio and not ((idx == -1) | (idx < _closed(rows, ratio))).all():
+            elif kind == "indexer" and ratio and not ((picks == -1) | (picks < _closed(rows, ratio))).all():
                 problem = f"entries not yet closed at their position (ratio {ratio})"
             else:
                 continue
@@ -499,9 +512,12 @@ class GoldenStore:
             if k.startswith(pre) and k.endswith(".indices"):
                 layer, kind = k[len(pre):-len(".indices")].split(".")
                 base = k[: -len(".indices")]
+                runner = base + ".runner_up"
                 out[(int(layer), kind)] = GoldenSelection(
                     self.tensor("selections.safetensors", k),
                     self.tensor("selections.safetensors", base + ".margin"),
+                    self.tensor("selections.safetensors", runner) if runner in self.keys("selections.safetensors")
+                    else None,
                 )
         return dict(sorted(out.items()))
 
@@ -853,6 +869,8 @@ def build_goldens(
                 sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
                 margin = sel.margin if sel.margin is not None else torch.full(sel.indices.shape[:2], math.inf)
                 sels[f"{name}.{layer}.{kind}.margin"] = margin[0]
+                if getattr(sel, "runner_up", None) is not None:
+                    sels[f"{name}.{layer}.{kind}.runner_up"] = sel.runner_up[0].long()
             raw = text.encode("utf-8") if isinstance(text, str) else b"" if isinstance(text, (list, tuple)) \
                 else bytes(text)
             entries.append({"name": name, "text": raw.decode("utf-8", "replace"), "tokens": ids.tolist(),

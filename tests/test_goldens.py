@@ -312,10 +312,26 @@ CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratio
      CONFIG, r"0.indexer: an indexer selection on a layer without compressed attention"),
     ({"selections": {"p00.5.router.indices": torch.tensor([[0]] * 3), "p00.5.router.margin": torch.ones(3)}},
      None, r"5.router: layer 5, the model has 2"),
+    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, -1])}}, CONFIG, None),
+    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, 4])}}, CONFIG,
+     r"1.router: expert ids 0..4, the model has 4"),
+    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, -2])}}, None,
+     r"1.router: runner_up \(3,\) torch.int64, expected int64 \[3\] \(-1: none\)"),
+    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, 1], dtype=torch.int32)}}, None,
+     r"1.router: runner_up \(3,\) torch.int32, expected int64 \[3\]"),
+    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0])}}, None,
+     r"1.router: runner_up \(2,\) torch.int64, expected int64 \[3\]"),
+    ({"selections": {**SEL, "p00.1.indexer.runner_up": torch.tensor([-1, 2, -1])}}, CONFIG,
+     r"1.indexer: entries not yet closed at their position \(ratio 1\)"),
+    ({"selections": {**SEL, "p00.0.router.runner_up": torch.tensor([1, 2, 3])}}, None,
+     r"p00.0.router.runner_up has no p00.0.router.indices"),
+    ({"selections": {**SEL, "p00.0.router.margin": torch.ones(3)}}, None,
+     r"p00.0.router.margin has no p00.0.router.indices"),
 ])
 def test_taps_selections_and_stray_tensors_are_checked_at_open(tmp_path, extra, config, message):
     """A NaN golden tap, a selection the engine cannot take (an expert id past the model's, an entry not yet
-    closed, int32 ids, a margin missing or NaN) and tensors of prompts dropped from the manifest are refused at
+    closed, int32 ids, a margin missing or NaN, a runner-up of the wrong shape or range, a margin or runner-up
+    without the picks it belongs to) and tensors of prompts dropped from the manifest are refused at
     open, not met as "every tap within limits", a RuntimeError deep in the engine, or never."""
     out = _write(tmp_path / "g", extra=extra, num_hidden_layers=2)
     if message is None:
@@ -377,6 +393,12 @@ def test_the_bundled_goldens_are_consistent():
 
     store = GoldenStore.open(BUNDLED_GOLDENS)
     assert len(store.prompts) == 16
+    for p in store.prompts:  # every selection names its runner-up: a real entry outside the picks where one competes
+        for key, sel in store.selections(p.name).items():
+            r = sel.runner_up
+            assert r is not None and r.shape == sel.margin.shape, (p.name, key)
+            assert not ((sel.indices == r[:, None]) & (r[:, None] >= 0)).any(), (p.name, key)
+            assert ((r >= 0) | ~torch.isfinite(sel.margin)).all(), (p.name, key)
 
 
 def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):

@@ -76,6 +76,35 @@ def test_near_tie_rule(error, flip_at, forced_error, ok, flips, message):
     assert message in v.message and (v.message == "") == ok
 
 
+class RunnerStore(Store):
+    """A golden (a store built since 2026-12-07) that names its runner-up, entry 8, at every position."""
+
+    def selections(self, name: str) -> dict:
+        return {(0, "router"): Selection(self.picks, MARGINS, torch.full((T,), 8))}
+
+
+class SwapEngine(Engine):
+    """trace: the golden's picks with the second one at step 2 replaced by `came`."""
+
+    def __init__(self, store: Store, came: int) -> None:
+        super().__init__(store, 2.0, None, 0.0)
+        self.came = came
+
+    def trace(self, ids: torch.Tensor, selections: dict) -> SimpleNamespace:
+        out = super().trace(ids, selections)
+        out.selections[(0, "router")].indices[0, 2, 1] = self.came
+        return out
+
+
+@pytest.mark.parametrize("came, ok", [(8, True), (9, False)])
+def test_a_near_tie_flip_must_bring_in_the_golden_runner_up(came, ok):
+    """At the golden's near-tie, swapping in its (k+1)-th pick is rounding; swapping in any other entry is a bug."""
+    store = RunnerStore()
+    v = judge_prompt(SwapEngine(store, came), store, "p", LIMITS)
+    assert (v.ok, v.near_tie_flips) == (ok, int(ok)), v.message
+    assert ok or "1 selections differ away from near-ties (first: layer 0 router at step 2)" in v.message
+
+
 def test_an_engine_refusing_the_golden_selections_fails_the_prompt_in_one_line():
     """A failing prompt whose golden selections the engine refuses (another model's store) is a verdict with the
     engine's reason, not a traceback out of the token tier."""
