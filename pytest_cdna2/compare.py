@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -322,8 +321,8 @@ def token_divergence(actual_tokens: Any, expected_tokens: Any) -> int | None:
 class SelectionDiff:
     """Where sparse top-k selections differ, as ``(layer, kind, position)``, split by the golden's margin.
 
-    A flip where the golden's k-th/(k+1)-th score margin is below ``tie_margin`` is rounding at a near-tie
-    (judge that step again with the golden's selections forced in); any other flip is a real difference.
+    A flip within the golden's near-tie band (see :func:`selection_diff`) is rounding (judge that step again
+    with the golden's selections forced in); any other flip is a real difference.
     """
 
     near_tie: tuple[tuple[int, str, int], ...]
@@ -345,17 +344,35 @@ def _rows(t: Any, name: str) -> torch.Tensor:
     return t.long().sort(-1).values  # a selection is a set: order within the top-k does not matter
 
 
-def _swapped_in(actual: torch.Tensor, expected: torch.Tensor) -> int | None:
-    """The one entry `actual` has in place of one of `expected`'s (None when more or fewer differ)."""
-    a, e = Counter(actual.tolist()), Counter(expected.tolist())
-    came, went = a - e, e - a
-    return next(iter(came)) if sum(came.values()) == 1 and sum(went.values()) == 1 else None
+def _flat(t: Any, rows: int, key: Any, part: str, cols: bool) -> torch.Tensor:
+    """A selection's per-position part as [rows] (margin) or [rows, r] (ranked, scores); a shape that does not
+    cover every position is an error naming it (not an IndexError, nor entries read from the wrong position)."""
+    t = torch.as_tensor(t).detach().cpu()
+    flat = t.reshape(-1, t.shape[-1]) if cols and t.dim() >= 2 else t.flatten()
+    if flat.shape[0] != rows or (cols and flat.dim() != 2):
+        raise ValueError(f"selection {key}: {part} of shape {tuple(t.shape)} does not give one "
+                         f"{'row' if cols else 'value'} per position ({rows})")
+    return flat
+
+
+def _in_band(actual: list[int], expected: list[int], ranked: list[int], scores: list[float], tie: float) -> bool:
+    """Whether picks `actual` are a top-k of the expected side's scores each moved by less than tie / 2: as
+    many picks, each among its ranked entries, none scored more than `tie` below an entry left out. Only entries
+    at the k-th/(k+1)-th boundary can trade places so; evicting a clear winner cannot."""
+    picks, want = {i for i in actual if i >= 0}, {i for i in expected if i >= 0}
+    known = {i: s for i, s in zip(ranked, scores, strict=True) if i >= 0}
+    if len(picks) != len(want) or not picks <= known.keys():
+        return False
+    floor = min(known[i] for i in picks)
+    return all(s < floor + tie for i, s in known.items() if i not in picks)
 
 
 def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
     """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k] or [B, T, k]; expected also ``.margin``
-    [T] or [B, T]; a position is then b * T + t). Where expected also has ``.runner_up`` (its (k+1)-th pick), a
-    flip is a near-tie only if it swapped exactly that entry in: a wrong pick at a small margin is a bug.
+    [T] or [B, T]; a position is then b * T + t). Where expected also has ``.ranked`` and ``.scores``
+    ([.., r]: its best entries and their selection scores), a flip is a near-tie only if the actual picks are a
+    top-k of those scores moved by less than tie_margin / 2 each (three-way ties included, a wrong pick or an
+    evicted clear winner not); without them, if the expected margin is below tie_margin.
 
     Keys only in one map are an error: the engines disagree about which layers select at all.
     """
@@ -367,14 +384,23 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         a, e = _rows(actual[key].indices, "actual"), _rows(expected[key].indices, "expected")
         if a.shape != e.shape:
             raise ValueError(f"selection {key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
-        margin = expected[key].margin  # flat: row b's position t is b * T + t
-        margin = torch.full((e[..., 0].numel(),), math.inf) if margin is None else \
-            torch.as_tensor(margin).cpu().flatten()
-        runner = getattr(expected[key], "runner_up", None)  # engine records have it, goldens since 2026-12-07
-        runner = None if runner is None else torch.as_tensor(runner).cpu().flatten().tolist()
-        compared += e[..., 0].numel()
-        a2, e2 = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
+        rows = e[..., 0].numel()  # flat: row b's position t is b * T + t
+        margin = expected[key].margin
+        margin = torch.full((rows,), math.inf) if margin is None else _flat(margin, rows, key, "margin", False)
+        ranked, scores = getattr(expected[key], "ranked", None), getattr(expected[key], "scores", None)
+        band = ranked is not None and scores is not None
+        if band:
+            ranked = _flat(ranked, rows, key, "ranked", True).long()
+            scores = _flat(scores, rows, key, "scores", True).double()
+            if ranked.shape != scores.shape:
+                raise ValueError(f"selection {key}: ranked {tuple(ranked.shape)} and scores {tuple(scores.shape)} "
+                                 "differ in shape")
+        compared += rows
+        a2, e2 = a.reshape(rows, -1), e.reshape(rows, -1)
         for t in (a != e).any(-1).flatten().nonzero().flatten().tolist():
-            tie = float(margin[t]) < tie_margin and (runner is None or _swapped_in(a2[t], e2[t]) == runner[t])
+            if band:
+                tie = _in_band(a2[t].tolist(), e2[t].tolist(), ranked[t].tolist(), scores[t].tolist(), tie_margin)
+            else:
+                tie = float(margin[t]) < tie_margin
             (near if tie else real).append((key[0], key[1], t))
     return SelectionDiff(tuple(near), tuple(real), compared)

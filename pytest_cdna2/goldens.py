@@ -9,7 +9,8 @@ A store is a folder with ``manifest.json`` and safetensors files (DESIGN.md sect
     greedy.safetensors      "<p>.tokens" [steps], "<p>.logits" [steps, V]: free-running greedy decode
     taps.safetensors        "<p>.<layer>.attn" / "<p>.<layer>.ffn" [Tf, hc, D]: per-layer hidden states
     selections.safetensors  "<p>.<layer>.<router|indexer>.indices" [Tf, k], ".margin" [Tf] and, where the engine
-                            records it, ".runner_up" [Tf] (the (k+1)-th pick, -1 for none)
+                            records them, ".ranked" [Tf, r] (its best r entries, -1 for none) and ".scores"
+                            [Tf, r] (their selection scores, -inf for none)
 
 Verification happens at open: every file's sha256 is checked before any test reads a tensor (hashing a
 20 MB store takes milliseconds, and a corrupt golden must stop the run before it can pass or fail a test
@@ -68,7 +69,7 @@ BUNDLED_GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "tiny-v4"
 _BUILD_HINT = "rebuild with `cdna2 goldens build --model MODEL --out DIR` or `pytest --cdna2-regen-goldens`"
 # the files a store may list; teacher and greedy always, taps and selections when the build recorded any
 GOLDEN_FILES = ("teacher.safetensors", "greedy.safetensors", "taps.safetensors", "selections.safetensors")
-_SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin|runner_up)")
+_SELECTION_KEY = re.compile(r"(\d+)\.(router|indexer)\.(indices|margin|ranked|scores)")
 
 
 class GoldenError(Exception):
@@ -186,12 +187,13 @@ class GoldenPrompt:
 
 class GoldenSelection(NamedTuple):
     """A recorded sparse selection: top-k ``indices`` [T, k], k-th/(k+1)-th score ``margin`` [T] and, in stores
-    built since 2026-12-07, the (k+1)-th pick ``runner_up`` [T] (-1: none): with it, a flip at a near-tie passes
-    only when it swapped exactly that entry in."""
+    built since 2026-12-07, the best entries ``ranked`` [T, r] with their selection ``scores`` [T, r]: with them,
+    a flip passes only when the engine's picks are a top-k of those scores within the tie margin."""
 
     indices: torch.Tensor
     margin: torch.Tensor
-    runner_up: torch.Tensor | None = None
+    ranked: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
 
 def _logits_hold(logits: torch.Tensor, glog: torch.Tensor, dtype: str) -> bool:
@@ -379,20 +381,27 @@ class GoldenStore:
             if base + ".margin" not in self.keys(file):
                 raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
             idx, margin = self._read(file, key), self._read(file, base + ".margin")
-            runner = self._read(file, base + ".runner_up") if base + ".runner_up" in self.keys(file) else None
+            have = self.keys(file)
+            ranked = self._read(file, base + ".ranked") if base + ".ranked" in have else None
+            scores = self._read(file, base + ".scores") if base + ".scores" in have else None
             rows = lengths[name]
             ratio = ratios[layer] if ratios is not None and layer < len(ratios) else None
-            fits = runner is not None and idx.dim() == 2 and tuple(runner.shape) == (idx.shape[0],)
-            picks = torch.cat([idx, runner.view(-1, 1).to(idx.dtype)], 1) if fits else idx  # same bounds, -1 aside
+            fits = ranked is not None and idx.dim() == 2 and ranked.dim() == 2 and ranked.shape[0] == idx.shape[0]
+            picks = torch.cat([idx, ranked.to(idx.dtype)], 1) if fits else idx  # same bounds, -1 aside
             if layers is not None and layer >= layers:
                 problem = f"layer {layer}, the model has {layers}"
             elif idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != rows:
                 problem = f"indices {tuple(idx.shape)} {idx.dtype}, expected int64 [{rows}, k]"
             elif not margin.is_floating_point() or tuple(margin.shape) != (rows,) or not (margin >= 0).all():
                 problem = f"margins {tuple(margin.shape)} {margin.dtype}, expected {rows} floats >= 0 (inf: none)"
-            elif runner is not None and (runner.dtype != torch.int64 or tuple(runner.shape) != (rows,)
-                                         or (runner.numel() and runner.min() < -1)):
-                problem = f"runner_up {tuple(runner.shape)} {runner.dtype}, expected int64 [{rows}] (-1: none)"
+            elif (ranked is None) != (scores is None):
+                problem = "ranked without scores" if scores is None else "scores without ranked"
+            elif ranked is not None and (ranked.dtype != torch.int64 or ranked.dim() != 2 or ranked.shape[0] != rows
+                                         or (ranked.numel() and ranked.min() < -1)):
+                problem = f"ranked {tuple(ranked.shape)} {ranked.dtype}, expected int64 [{rows}, r] (-1: none)"
+            elif scores is not None and (not scores.is_floating_point() or scores.shape != ranked.shape
+                                         or scores.isnan().any() or scores.isposinf().any()):
+                problem = f"scores {tuple(scores.shape)} {scores.dtype}, expected floats (no NaN, +inf) like ranked"
             elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and picks.max() >= experts)):
                 problem = f"expert ids {idx.min()}..{picks.max()}, the model has {experts or 'ids from 0'}"
             elif kind == "indexer" and ratio == 0:
@@ -512,13 +521,10 @@ class GoldenStore:
             if k.startswith(pre) and k.endswith(".indices"):
                 layer, kind = k[len(pre):-len(".indices")].split(".")
                 base = k[: -len(".indices")]
-                runner = base + ".runner_up"
-                out[(int(layer), kind)] = GoldenSelection(
-                    self.tensor("selections.safetensors", k),
-                    self.tensor("selections.safetensors", base + ".margin"),
-                    self.tensor("selections.safetensors", runner) if runner in self.keys("selections.safetensors")
-                    else None,
-                )
+                part = {n: self.tensor("selections.safetensors", f"{base}.{n}")
+                        for n in ("indices", "margin", "ranked", "scores")
+                        if f"{base}.{n}" in self.keys("selections.safetensors")}
+                out[(int(layer), kind)] = GoldenSelection(**part)
         return dict(sorted(out.items()))
 
 
@@ -869,8 +875,9 @@ def build_goldens(
                 sels[f"{name}.{layer}.{kind}.indices"] = sel.indices[0].long()
                 margin = sel.margin if sel.margin is not None else torch.full(sel.indices.shape[:2], math.inf)
                 sels[f"{name}.{layer}.{kind}.margin"] = margin[0]
-                if getattr(sel, "runner_up", None) is not None:
-                    sels[f"{name}.{layer}.{kind}.runner_up"] = sel.runner_up[0].long()
+                if getattr(sel, "ranked", None) is not None and getattr(sel, "scores", None) is not None:
+                    sels[f"{name}.{layer}.{kind}.ranked"] = sel.ranked[0].long()
+                    sels[f"{name}.{layer}.{kind}.scores"] = sel.scores[0]
             raw = text.encode("utf-8") if isinstance(text, str) else b"" if isinstance(text, (list, tuple)) \
                 else bytes(text)
             entries.append({"name": name, "text": raw.decode("utf-8", "replace"), "tokens": ids.tolist(),

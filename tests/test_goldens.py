@@ -282,6 +282,8 @@ def test_contents_that_contradict_each_other_are_refused_at_open(tmp_path, edit,
 NAN = float("nan")
 SEL = {"p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 2]]), "p00.1.router.margin": torch.ones(3),
        "p00.1.indexer.indices": torch.tensor([[-1], [-1], [-1]]), "p00.1.indexer.margin": torch.full((3,), torch.inf)}
+RANK = {"p00.1.router.ranked": torch.tensor([[0, 1, 2], [2, 3, 0], [1, 2, 3]]),
+        "p00.1.router.scores": torch.tensor([[1.0, 0.5, 0.2]] * 3)}
 CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratios=[0, 1])
 
 
@@ -312,27 +314,34 @@ CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratio
      CONFIG, r"0.indexer: an indexer selection on a layer without compressed attention"),
     ({"selections": {"p00.5.router.indices": torch.tensor([[0]] * 3), "p00.5.router.margin": torch.ones(3)}},
      None, r"5.router: layer 5, the model has 2"),
-    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, -1])}}, CONFIG, None),
-    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, 4])}}, CONFIG,
+    ({"selections": {**SEL, **RANK}}, CONFIG, None),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2]] * 2 + [[1, 2, 4]])}}, CONFIG,
      r"1.router: expert ids 0..4, the model has 4"),
-    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, -2])}}, None,
-     r"1.router: runner_up \(3,\) torch.int64, expected int64 \[3\] \(-1: none\)"),
-    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0, 1], dtype=torch.int32)}}, None,
-     r"1.router: runner_up \(3,\) torch.int32, expected int64 \[3\]"),
-    ({"selections": {**SEL, "p00.1.router.runner_up": torch.tensor([2, 0])}}, None,
-     r"1.router: runner_up \(2,\) torch.int64, expected int64 \[3\]"),
-    ({"selections": {**SEL, "p00.1.indexer.runner_up": torch.tensor([-1, 2, -1])}}, CONFIG,
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, -2]] * 3)}}, None,
+     r"1.router: ranked \(3, 3\) torch.int64, expected int64 \[3, r\] \(-1: none\)"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)}},
+     None, r"1.router: ranked \(3, 3\) torch.int32, expected int64"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2]] * 2)}}, None,
+     r"1.router: ranked \(2, 3\) torch.int64, expected int64 \[3, r\]"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.scores": torch.ones(3, 2)}}, None,
+     r"1.router: scores \(3, 2\) torch.float32, expected floats \(no NaN, \+inf\) like ranked"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.scores": torch.tensor([[1.0, NAN, 0.0]] * 3)}}, None,
+     r"1.router: scores \(3, 3\) torch.float32, expected floats"),
+    ({"selections": {**SEL, "p00.1.router.ranked": RANK["p00.1.router.ranked"]}}, None,
+     r"1.router: ranked without scores"),
+    ({"selections": {**SEL, "p00.1.indexer.ranked": torch.tensor([[-1], [2], [-1]]),
+                     "p00.1.indexer.scores": torch.tensor([[-torch.inf], [0.0], [-torch.inf]])}}, CONFIG,
      r"1.indexer: entries not yet closed at their position \(ratio 1\)"),
-    ({"selections": {**SEL, "p00.0.router.runner_up": torch.tensor([1, 2, 3])}}, None,
-     r"p00.0.router.runner_up has no p00.0.router.indices"),
+    ({"selections": {**SEL, "p00.0.router.ranked": torch.tensor([[1, 2]] * 3)}}, None,
+     r"p00.0.router.ranked has no p00.0.router.indices"),
     ({"selections": {**SEL, "p00.0.router.margin": torch.ones(3)}}, None,
      r"p00.0.router.margin has no p00.0.router.indices"),
 ])
 def test_taps_selections_and_stray_tensors_are_checked_at_open(tmp_path, extra, config, message):
     """A NaN golden tap, a selection the engine cannot take (an expert id past the model's, an entry not yet
-    closed, int32 ids, a margin missing or NaN, a runner-up of the wrong shape or range, a margin or runner-up
-    without the picks it belongs to) and tensors of prompts dropped from the manifest are refused at
-    open, not met as "every tap within limits", a RuntimeError deep in the engine, or never."""
+    closed, int32 ids, a margin missing or NaN, ranked entries of the wrong shape or range, scores with NaN, a
+    margin or ranking without the picks it belongs to) and tensors of prompts dropped from the manifest are
+    refused at open, not met as "every tap within limits", a RuntimeError deep in the engine, or never."""
     out = _write(tmp_path / "g", extra=extra, num_hidden_layers=2)
     if message is None:
         GoldenStore.open(out, config=config)
@@ -393,12 +402,14 @@ def test_the_bundled_goldens_are_consistent():
 
     store = GoldenStore.open(BUNDLED_GOLDENS)
     assert len(store.prompts) == 16
-    for p in store.prompts:  # every selection names its runner-up: a real entry outside the picks where one competes
+    for p in store.prompts:  # every selection ranks its picks first, best first, its margin the k-th/(k+1)-th gap
         for key, sel in store.selections(p.name).items():
-            r = sel.runner_up
-            assert r is not None and r.shape == sel.margin.shape, (p.name, key)
-            assert not ((sel.indices == r[:, None]) & (r[:, None] >= 0)).any(), (p.name, key)
-            assert ((r >= 0) | ~torch.isfinite(sel.margin)).all(), (p.name, key)
+            k = sel.indices.shape[1]
+            assert sel.ranked is not None and sel.ranked.shape[1] > k, (p.name, key)
+            assert (sel.ranked[:, :k].sort(-1).values == sel.indices.sort(-1).values).all(), (p.name, key)
+            assert (sel.scores[:, :-1] >= sel.scores[:, 1:]).all(), (p.name, key)
+            gap = (sel.scores[:, k - 1] - sel.scores[:, k]).nan_to_num(nan=torch.inf, posinf=torch.inf)  # none: inf
+            torch.testing.assert_close(gap, sel.margin, rtol=0, atol=1e-12, msg=f"{p.name} {key}")
 
 
 def test_regen_refuses_the_bundled_store_and_unlisted_files(tmp_path):

@@ -76,31 +76,43 @@ def test_near_tie_rule(error, flip_at, forced_error, ok, flips, message):
     assert message in v.message and (v.message == "") == ok
 
 
-class RunnerStore(Store):
-    """A golden (a store built since 2026-12-07) that names its runner-up, entry 8, at every position."""
+class RankedStore(Store):
+    """A golden (a store built since 2026-12-07) that ranks its picks and entries 8..11 after them; at step 2 the
+    k-th pick, entry 8 and entry 9 tie within the tie margin (a three-way near-tie), entries 10 and 11 trail."""
 
     def selections(self, name: str) -> dict:
-        return {(0, "router"): Selection(self.picks, MARGINS, torch.full((T,), 8))}
+        ranked = torch.cat([self.picks, torch.tensor([[8, 9, 10, 11]] * T)], 1)
+        scores = torch.tensor([[1.0, 0.9, 0.4, 0.3, 0.2, 0.1]] * T)
+        scores[2] = torch.tensor([1.0, 0.5, 0.5 - 1e-5, 0.5 - 2e-4, 0.2, 0.1])
+        return {(0, "router"): Selection(self.picks, MARGINS, ranked, scores)}
 
 
 class SwapEngine(Engine):
-    """trace: the golden's picks with the second one at step 2 replaced by `came`."""
+    """trace: the golden's picks with pick `col` at step 2 replaced by entry `came`."""
 
-    def __init__(self, store: Store, came: int) -> None:
+    def __init__(self, store: Store, col: int, came: int) -> None:
         super().__init__(store, 2.0, None, 0.0)
-        self.came = came
+        self.col, self.came = col, came
 
     def trace(self, ids: torch.Tensor, selections: dict) -> SimpleNamespace:
         out = super().trace(ids, selections)
-        out.selections[(0, "router")].indices[0, 2, 1] = self.came
+        out.selections[(0, "router")].indices[0, 2, self.col] = self.came
         return out
 
 
-@pytest.mark.parametrize("came, ok", [(8, True), (9, False)])
-def test_a_near_tie_flip_must_bring_in_the_golden_runner_up(came, ok):
-    """At the golden's near-tie, swapping in its (k+1)-th pick is rounding; swapping in any other entry is a bug."""
-    store = RunnerStore()
-    v = judge_prompt(SwapEngine(store, came), store, "p", LIMITS)
+@pytest.mark.parametrize("col, came, ok", [
+    (1, 8, True),  # the runner-up in place of the k-th pick: rounding
+    (1, 9, True),  # the (k+2)-th, tied with both within the margin: rounding at a three-way tie
+    (1, 10, False),  # an entry scored far below: a bug
+    (0, 8, False),  # the runner-up in place of the clear winner: a bug (a review's mutation, passed by a rule
+    #                that only looked at the entry that came in)
+    (1, 12, False),  # an entry the golden does not rank at all
+])
+def test_a_near_tie_flip_must_stay_inside_the_golden_band(col, came, ok):
+    """At the golden's near-tie, the picks must still be a top-k of its scores moved by less than half the tie
+    margin each: any other swap is a bug, whatever the margin."""
+    store = RankedStore()
+    v = judge_prompt(SwapEngine(store, col, came), store, "p", LIMITS)
     assert (v.ok, v.near_tie_flips) == (ok, int(ok)), v.message
     assert ok or "1 selections differ away from near-ties (first: layer 0 router at step 2)" in v.message
 

@@ -275,20 +275,42 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return (torch.nn.functional.silu(g) * u).to(gate.dtype)
 
 
+def _router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "softmax":
+        return logits.softmax(-1)
+    raise ValueError(f"unknown router scoring {scoring!r}: use sqrtsoftplus, sigmoid or softmax")
+
+
+def selection_scores(logits: torch.Tensor, bias: torch.Tensor | None, scoring: str) -> torch.Tensor:
+    """What `route` ranks: the router's scores of logits [T, E] plus the bias (the weights leave it out)."""
+    scores = _router_scores(logits, scoring)
+    return scores if bias is None else scores + bias.to(scores.dtype)
+
+
+def ranked(scores: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best r entries along the last dim, best first, ties to the lower index as `topk`: (indices, scores)
+    [..., r], -1 and -inf past the entries there are and for entries scored -inf (hidden)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    idx, vals = order.indices[..., :r], order.values[..., :r]
+    idx = torch.where(vals == float("-inf"), -1, idx)
+    pad = r - idx.shape[-1]
+    if pad > 0:
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+        vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf"))
+    return idx, vals
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str, scale: float,
           fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE routing of router logits [T, E] (fp32 or fp64): scores by `scoring` (sqrtsoftplus, sigmoid or
     softmax), the experts = top-k of scores + bias (ties to the lower id, `topk`) unless `fixed` [T, k] gives
     them (hash routing, forced selections), weights = their scores normalized to sum 1, times `scale`.
     Returns (experts [T, k] int64, weights [T, k] in the logits' dtype, margin [T]: inf when fixed)."""
-    if scoring == "sqrtsoftplus":
-        scores = torch.nn.functional.softplus(logits).sqrt()
-    elif scoring == "sigmoid":
-        scores = logits.sigmoid()
-    elif scoring == "softmax":
-        scores = logits.softmax(-1)
-    else:
-        raise ValueError(f"unknown router scoring {scoring!r}: use sqrtsoftplus, sigmoid or softmax")
+    scores = _router_scores(logits, scoring)
     if fixed is None:
         idx, margin = topk(scores if bias is None else scores + bias.to(scores.dtype), k)
     else:
