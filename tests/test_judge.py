@@ -265,6 +265,26 @@ def test_incremental_wrong_pick_at_a_small_margin_fails(tiny_model, monkeypatch)
     assert r.cause == "flips" and "away from near-ties" in r.message
 
 
+def test_incremental_best_pick_dropped_for_the_runner_up_fails(tiny_model, monkeypatch):
+    """A decode router that drops its best expert for the (k+1)-th wherever its margin is small brings in the
+    runner-up at a near-tie, but evicts a clear winner: a bug (a review's mutation, which passed while the rule
+    looked only at the entry that came in)."""
+    route, decoding = tiny_model.ops.route, []
+
+    def best_dropped(logits, bias, k, *args):
+        idx, w, margin = route(logits, bias, k, *args)
+        if decoding and k == tiny_model.cfg.num_experts_per_tok and not (len(args) > 2 and args[2] is not None):
+            nxt = route(logits, bias, k + 1, *args)[0][:, k:]  # picks come best first
+            idx = torch.where((margin < 0.04)[:, None] & (torch.arange(k) == 0), nxt, idx)
+            _, w, _ = route(logits, bias, k, *args[:2], idx)
+        return idx, w, margin
+
+    monkeypatch.setattr(tiny_model.ops, "route", best_dropped)
+    mark_decoding(monkeypatch, tiny_model, decoding)
+    r = judge_incremental(tiny_model, 0.5, BF16_TIE)
+    assert r.cause == "flips" and "away from near-ties" in r.message
+
+
 def test_incremental_first_token_from_a_wrong_prefill_fails(tiny_model, monkeypatch):
     """The first token's logits come from a last-position prefill that the recording run does not take: judged
     from the first run even when near-tie flips send the verdict to the prefill given the decode's picks."""
