@@ -547,8 +547,10 @@ def convert_hf_checkpoint(src: str | Path, dst: str | Path) -> Path:
 
 def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
     """One hash over config.json and every safetensors file, in name order (identifies a model). `cached`: reuse
-    the hash computed last time for the same files (path, size, mtime and inode of each, as make and git's index
-    judge a file unchanged), kept in `hash_cache_dir()`: hashing V4-Flash's ~160 GB takes minutes a session."""
+    the hash computed last time for the same files (path, size, mtime, ctime, inode and device of each, as git's
+    index judges a file unchanged: ctime moves on any write, even one whose mtime is put back), kept in
+    `hash_cache_dir()`: hashing V4-Flash's ~160 GB takes minutes a session. `cached=False` reads every byte and
+    refreshes the kept hash."""
     folder = Path(path)
     files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
     stamp = _stamp(folder, files)
@@ -570,7 +572,7 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
     digest = h.hexdigest()
     settled = all(p.stat().st_mtime_ns < start - 2_000_000_000 for p in files)  # a file written in the last 2 s
     # could be written again within its timestamp's granularity and keep its stamp ("racy git"): not kept
-    if cached and settled and stamp == _stamp(folder, files):
+    if settled and stamp == _stamp(folder, files):
         try:  # only when no file changed while it was read; a cache that cannot be written costs a rehash
             entry.parent.mkdir(parents=True, exist_ok=True)
             tmp = entry.with_suffix(f".{os.getpid()}.tmp")
@@ -582,9 +584,9 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
 
 
 def _stamp(folder: Path, files: list[Path]) -> str:
-    """The folder and each file's name, size, mtime and inode: what the hash cache is keyed by."""
-    return json.dumps([str(folder.resolve())] + [[p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino]
-                                                 for p in files])
+    """The folder and each file's name, size, mtime, ctime, inode and device: what the hash cache is keyed by."""
+    return json.dumps([str(folder.resolve())] + [[p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                  st.st_ino, st.st_dev] for p in files])
 
 
 def hash_cache_dir() -> Path:

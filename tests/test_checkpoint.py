@@ -958,3 +958,26 @@ def test_checkpoint_hash_is_cached_by_file_stamps(tmp_path, monkeypatch):
     _age(folder, 30.0)  # a new mtime, however old
     changed = checkpoint.checkpoint_sha256(folder)
     assert changed != true and changed == checkpoint.checkpoint_sha256(folder, cached=False)
+
+
+def test_checkpoint_hash_sees_an_in_place_edit_whose_mtime_was_put_back(tmp_path, monkeypatch):
+    """One byte rewritten at the same size with the old mtime restored (rsync --inplace -t, touch -r) still
+    changes the file's ctime: hashed again, not served from the cache. A kept hash that went wrong is replaced by
+    the next cached=False hash (goldens verify)."""
+    monkeypatch.setenv("CDNA2_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_checkpoint(tmp_path / "m", make_config("csa-only"), seed=3)
+    _age(folder, 60.0)
+    true = checkpoint.checkpoint_sha256(folder)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    st, raw = shard.stat(), bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01  # the last tensor byte
+    with open(shard, "r+b") as f:
+        f.write(raw)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (shard.stat().st_size, shard.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    edited = checkpoint.checkpoint_sha256(folder)
+    assert edited != true and edited == checkpoint.checkpoint_sha256(folder, cached=False)
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.read_text().strip() == edited]
+    entry.write_text("0" * 64 + "\n")  # a kept hash gone wrong
+    assert checkpoint.checkpoint_sha256(folder, cached=False) == edited
+    assert checkpoint.checkpoint_sha256(folder) == edited
