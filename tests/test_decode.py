@@ -116,22 +116,26 @@ def test_generate_records_the_picks_its_prefill_makes(ckpt, prompt_len, new):
             assert torch.equal(forced.selections[key].margin >= big, sel.margin >= big), key
 
 
-def test_generate_forces_a_decode_pick_and_records_its_own(ckpt):
-    """A different router pick forced at one decode position changes that step's logits and none before it,
-    while the recorded pick there stays the engine's own (as `trace` with selections)."""
+@pytest.mark.parametrize("kind, pos", [("router", 44), ("router", 20), ("indexer", 44), ("indexer", 30)])
+def test_generate_forces_a_pick_and_records_its_own(ckpt, kind, pos):
+    """Another pick forced at one position, a decode step's (44) or the prompt's (20, 30), router or indexer,
+    changes the logits from that step on and none before, while the recorded pick there stays the engine's own
+    (as `trace` with selections)."""
     path, cfg = ckpt
     model = cdna2_engine.load_model(path, dtype=torch.float64)
     prompt = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(19))
     gen = model.generate(prompt, 10)
     trace = model.trace(torch.cat([prompt, gen.tokens], 1)[:, :-1])
-    key = next(k for k in sorted(trace.selections) if k[1] == "router")
+    key = next(k for k in sorted(trace.selections) if k[1] == kind)
     picks = {k: s.indices.clone() for k, s in trace.selections.items()}
-    pos = 44  # the decode of new token 4, whose logits pick new token 5
     own = picks[key][0, pos].clone()
-    picks[key][0, pos] = torch.tensor([e for e in range(cfg.n_routed_experts) if e not in own.tolist()][:own.numel()])
+    choices = cfg.n_routed_experts if kind == "router" else (pos + 1) // cfg.compress_ratios[key[0]]  # closed
+    others = [e for e in range(choices) if e not in own.tolist()]
+    picks[key][0, pos] = torch.tensor((others + own.tolist())[:own.numel()])
+    assert not torch.equal(picks[key][0, pos].sort().values, own.sort().values)
     forced = model.generate(prompt, 10, selections=picks)
-    step = pos - prompt.shape[1] + 1
-    assert rel(forced.logits[:, :step], gen.logits[:, :step]).max() <= 1e-12
+    step = max(0, pos - prompt.shape[1] + 1)  # the first step whose logits can see the change
+    assert (rel(forced.logits[:, :step], gen.logits[:, :step]) <= 1e-12).all()
     assert rel(forced.logits[:, step], gen.logits[:, step]).max() > 1e-3
     assert torch.equal(forced.selections[key].indices[0, pos].sort().values, own.sort().values)
 
