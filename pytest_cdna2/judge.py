@@ -4,8 +4,9 @@ Sparse selections are discontinuous: where the golden's k-th and (k+1)-th scores
 engine in lower precision may pick the other entry, and that flip moves the logits far more than rounding.
 So when the teacher-forced logits fail, the prompt is run again with the golden's selections forced in;
 the engine then records, at every layer, its own pick given the golden's upstream (a flip there is that
-layer's rounding, not the echo of an earlier flip). If every such flip sits at a near-tie (golden margin <
-tie_margin), the forced logits are judged; a flip away from a near-tie is a bug and fails.
+layer's rounding, not the echo of an earlier flip). If every such flip stays in the golden's near-tie band (its
+picks a top-k of the golden's scores moved by < tie_margin / 2 each; old stores: golden margin < tie_margin), the
+forced logits are judged; any other flip is a bug and fails.
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int =
     """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring
     turned round: over the limit, the decode runs again recording its own selections (`generate(...,
     selections={})`: eager, its steps bit-identical to the first run's or it fails) and the prefill is run with
-    those forced in. The prefill's own picks given that upstream must differ from the decode's only at the
-    prefill's near-ties, each by the prefill's runner-up swapped in (a decode's kernels round otherwise than a
+    those forced in. The prefill's own picks given that upstream must differ from the decode's only inside
+    the prefill's near-tie band (`compare.selection_diff`; a decode's kernels round otherwise than a
     prefill's: in bfloat16 a flip somewhere in 80 positions is the rule), and then the first run's logits are
     judged against that prefill's. The decode judged is the one the engine ran, on its own tokens and picks: a
     bug in its picking or weighting is not forced away."""
