@@ -29,6 +29,7 @@ __all__ = [
     "token_divergence",
     "SelectionDiff",
     "selection_diff",
+    "flip_width",
     "LOGIT_LIMIT_KEYS",
 ]
 
@@ -355,16 +356,17 @@ def _flat(t: Any, rows: int, key: Any, part: str, cols: bool) -> torch.Tensor:
     return flat
 
 
-def _in_band(actual: list[int], expected: list[int], ranked: list[int], scores: list[float], tie: float) -> bool:
-    """Whether picks `actual` are a top-k of the expected side's scores each moved by less than tie / 2: as
-    many picks, each among its ranked entries, none scored more than `tie` below an entry left out. Only entries
-    at the k-th/(k+1)-th boundary can trade places so; evicting a clear winner cannot."""
+def flip_width(actual: list[int], expected: list[int], ranked: list[int], scores: list[float]) -> float:
+    """The smallest tie margin whose near-tie band holds picks `actual` in place of `expected`: the best ranked
+    score left out minus the worst picked (a top-k of `scores` moved by less than half of it each). inf when the
+    picks are not all ranked or not as many: no rounding explains them. Only entries at the k-th/(k+1)-th
+    boundary trade places within a small width; evicting a clear winner needs a wide one."""
     picks, want = {i for i in actual if i >= 0}, {i for i in expected if i >= 0}
     known = {i: s for i, s in zip(ranked, scores, strict=True) if i >= 0}
     if len(picks) != len(want) or not picks <= known.keys():
-        return False
-    floor = min(known[i] for i in picks)
-    return all(s < floor + tie for i, s in known.items() if i not in picks)
+        return math.inf
+    left_out = [s for i, s in known.items() if i not in picks]
+    return max(left_out, default=-math.inf) - min(known[i] for i in picks)
 
 
 def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
@@ -399,7 +401,7 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         a2, e2 = a.reshape(rows, -1), e.reshape(rows, -1)
         for t in (a != e).any(-1).flatten().nonzero().flatten().tolist():
             if band:
-                tie = _in_band(a2[t].tolist(), e2[t].tolist(), ranked[t].tolist(), scores[t].tolist(), tie_margin)
+                tie = flip_width(a2[t].tolist(), e2[t].tolist(), ranked[t].tolist(), scores[t].tolist()) < tie_margin
             else:
                 tie = float(margin[t]) < tie_margin
             (near if tie else real).append((key[0], key[1], t))
