@@ -690,7 +690,8 @@ class GoldenWriter:
         return self
 
     def write(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Write one safetensors file (tensors are made contiguous and moved to the CPU)."""
+        """Write one safetensors file (each tensor copied to the CPU, contiguous: safetensors refuses tensors
+        that share memory, as an engine's picks may with its ranking)."""
         from safetensors.torch import save_file
 
         if self._tmp is None:
@@ -698,7 +699,8 @@ class GoldenWriter:
         if Path(filename).name != filename or filename == MANIFEST:
             raise ValueError(f"bad golden file name {filename!r}")
         path = self._tmp / filename
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        save_file({k: v.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+                   for k, v in tensors.items()}, str(path))
         self._files[filename] = sha256_file(path)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
