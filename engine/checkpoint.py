@@ -14,7 +14,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -178,6 +178,7 @@ class _Files:
         files, weight_map = _index(folder)
         self.handles, self.where = {}, {}
         self.names: dict[str, tuple[str, object]] = {}  # official name -> (file key, stacked slice)
+        self.on_read: Callable[[str, torch.Tensor], None] | None = None  # sees each tensor as stored, once
         for name in files:
             path = folder / name
             if not path.exists():
@@ -306,14 +307,18 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
     return cfg, dict(stream_checkpoint(path, cfg))
 
 
-def stream_checkpoint(path: str | Path, cfg: Config | None = None) -> Iterator[tuple[str, object]]:
+def stream_checkpoint(path: str | Path, cfg: Config | None = None,
+                      on_read: Callable[[str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, object]]:
     """(official key, QWeight | Tensor) one at a time, validated as `read_checkpoint` validates them, so a
-    checker can visit a 160 GB checkpoint holding one tensor at a time. Missing keys are found before any tensor is
-    read; a tensor's shape, dtype and values when it is read; the experts' common storage and keys the config
-    does not imply after the last (a shape mismatch names the tensor and both shapes, which says more)."""
+    checker can visit a 160 GB checkpoint holding one tensor at a time; `on_read(official key, tensor)` sees each
+    tensor as stored (before a scale is converted or a check raises), so a second checker needs no second read.
+    Missing keys are found before any tensor is read; a tensor's shape, dtype and values when it is read; the
+    experts' common storage and keys the config does not imply after the last (a shape mismatch names the tensor
+    and both shapes, which says more)."""
     folder = _folder(path)
     cfg = cfg or Config.load(folder)
     files = _Files(folder)
+    files.on_read = on_read
     specs = tensor_specs(cfg)
     files.names = _resolve(files, specs, cfg)
     expected = {sp.name for sp in specs}
@@ -379,7 +384,10 @@ def _need_name(files: _Files, name: str) -> None:
 def _need(files: _Files, name: str) -> torch.Tensor:
     _need_name(files, name)
     key, part = files.names[name]
-    return files.get(key, part)
+    t = files.get(key, part)
+    if files.on_read is not None:
+        files.on_read(name, t)
+    return t
 
 
 def _where(files: _Files, name: str) -> str:

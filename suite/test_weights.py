@@ -12,8 +12,16 @@ import torch
 from safetensors import SafetensorError
 
 from cdna2_engine import formats
-from cdna2_engine.checkpoint import stream_checkpoint
-from pytest_cdna2.weights import FP8, MXFP4, ROUND_TRIP, SCALES, fp8_independent, mxfp4_independent, scan_weights
+from pytest_cdna2.weights import (
+    FP8,
+    MXFP4,
+    ROUND_TRIP,
+    SCALES,
+    fp8_independent,
+    mxfp4_independent,
+    scan_checkpoint,
+    scan_weights,
+)
 
 pytestmark = pytest.mark.weight
 HAVE_ML_DTYPES = importlib.util.find_spec("ml_dtypes") is not None
@@ -23,16 +31,16 @@ needs_ml_dtypes = pytest.mark.skipif(not HAVE_ML_DTYPES, reason="ml_dtypes is th
 
 @pytest.fixture(scope="module")
 def scan(cdna2_settings, cdna2_device, request):
-    """One pass over the checkpoint's packed tensors. First the whole checkpoint goes through the bundled
-    engine's reader, one tensor at a time (official layout: every key, shape, dtype, scale grid and finite value
-    against config.json), so a broken checkpoint stops the run in one line here, as it would when loaded,
-    instead of passing the decode checks on what is left of it."""
+    """One pass over the checkpoint's packed tensors. An official-layout checkpoint goes through the bundled
+    engine's reader, one tensor at a time (every key, shape, dtype, scale grid and finite value against
+    config.json), with the checks on each tensor it reads: a broken checkpoint stops the run in one line here, as
+    it would when loaded, instead of passing the decode checks on what is left of it."""
     model_dir = cdna2_settings.model
     try:
         if (model_dir / "config.json").is_file():  # a checkpoint in the official layout (not a custom engine's own)
-            for _ in stream_checkpoint(model_dir):
-                pass
-        found = scan_weights(model_dir, cdna2_device, decode=HAVE_ML_DTYPES)
+            found = scan_checkpoint(model_dir, cdna2_device, decode=HAVE_ML_DTYPES)
+        else:
+            found = scan_weights(model_dir, cdna2_device, decode=HAVE_ML_DTYPES)
     except (ValueError, OSError, SafetensorError) as e:  # CheckpointError, ConfigError, a corrupt index or shard
         message = f"cdna2: weight tier: {e}"
         request.session.shouldstop = message
