@@ -341,17 +341,18 @@ class GoldenStore:
         if "taps.safetensors" not in self.manifest["files"]:
             return
         per: dict[str, set[str]] = {}
-        for key in self.keys("taps.safetensors"):
-            name, _, tap = key.partition(".")
-            per.setdefault(name, set()).add(tap)
-            t = self._read("taps.safetensors", key)
-            if not t.is_floating_point() or t.dim() < 1 or t.shape[0] != lengths[name]:
-                problem = f"{tuple(t.shape)} {t.dtype}, expected a float tensor of {lengths[name]} rows"
-            elif not torch.isfinite(t).all():
-                problem = "non-finite values"
-            else:
-                continue
-            raise GoldenError(f"{self.path / 'taps.safetensors'}: tap {key}: {problem}; {_BUILD_HINT}")
+        with self._reader("taps.safetensors") as read:
+            for key in self.keys("taps.safetensors"):
+                name, _, tap = key.partition(".")
+                per.setdefault(name, set()).add(tap)
+                t = read(key)
+                if not t.is_floating_point() or t.dim() < 1 or t.shape[0] != lengths[name]:
+                    problem = f"{tuple(t.shape)} {t.dtype}, expected a float tensor of {lengths[name]} rows"
+                elif not torch.isfinite(t).all():
+                    problem = "non-finite values"
+                else:
+                    continue
+                raise GoldenError(f"{self.path / 'taps.safetensors'}: tap {key}: {problem}; {_BUILD_HINT}")
         k = self.manifest.get("tap_prompts")
         want = names[:k] if isinstance(k, int) else names
         have = [n for n in names if n in per]
@@ -369,50 +370,51 @@ class GoldenStore:
         layers = getattr(config, "num_hidden_layers", None) or self.manifest.get("num_hidden_layers")
         experts = getattr(config, "n_routed_experts", None)
         ratios = getattr(config, "compress_ratios", None)
-        for key in sorted(self.keys(file)):
-            name, _, rest = key.partition(".")
-            layer_s, kind, part = _SELECTION_KEY.fullmatch(rest).groups()
-            if part != "indices":
-                picks = key.removesuffix(part) + "indices"
-                if picks not in self.keys(file):
-                    raise GoldenError(f"{self.path / file}: {key} has no {picks}; {_BUILD_HINT}")
-                continue
-            layer, base = int(layer_s), key.removesuffix(".indices")
-            if base + ".margin" not in self.keys(file):
-                raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
-            idx, margin = self._read(file, key), self._read(file, base + ".margin")
-            have = self.keys(file)
-            ranked = self._read(file, base + ".ranked") if base + ".ranked" in have else None
-            scores = self._read(file, base + ".scores") if base + ".scores" in have else None
-            rows = lengths[name]
-            ratio = ratios[layer] if ratios is not None and layer < len(ratios) else None
-            fits = ranked is not None and idx.dim() == 2 and ranked.dim() == 2 and ranked.shape[0] == idx.shape[0]
-            picks = torch.cat([idx, ranked.to(idx.dtype)], 1) if fits else idx  # same bounds, -1 aside
-            if layers is not None and layer >= layers:
-                problem = f"layer {layer}, the model has {layers}"
-            elif idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != rows:
-                problem = f"indices {tuple(idx.shape)} {idx.dtype}, expected int64 [{rows}, k]"
-            elif not margin.is_floating_point() or tuple(margin.shape) != (rows,) or not (margin >= 0).all():
-                problem = f"margins {tuple(margin.shape)} {margin.dtype}, expected {rows} floats >= 0 (inf: none)"
-            elif (ranked is None) != (scores is None):
-                problem = "ranked without scores" if scores is None else "scores without ranked"
-            elif ranked is not None and (ranked.dtype != torch.int64 or ranked.dim() != 2 or ranked.shape[0] != rows
-                                         or (ranked.numel() and ranked.min() < -1)):
-                problem = f"ranked {tuple(ranked.shape)} {ranked.dtype}, expected int64 [{rows}, r] (-1: none)"
-            elif scores is not None and (not scores.is_floating_point() or scores.shape != ranked.shape
-                                         or scores.isnan().any() or scores.isposinf().any()):
-                problem = f"scores {tuple(scores.shape)} {scores.dtype}, expected floats (no NaN, +inf) like ranked"
-            elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and picks.max() >= experts)):
-                problem = f"expert ids {idx.min()}..{picks.max()}, the model has {experts or 'ids from 0'}"
-            elif kind == "indexer" and ratio == 0:
-                problem = "an indexer selection on a layer without compressed attention"
-            elif kind == "indexer" and idx.numel() and idx.min() < -1:
-                problem = f"entry {idx.min()} (picks are entries, or -1 for none)"
-            elif kind == "indexer" and ratio and not ((picks == -1) | (picks < _closed(rows, ratio))).all():
-                problem = f"entries not yet closed at their position (ratio {ratio})"
-            else:
-                continue
-            raise GoldenError(f"{self.path / file}: prompt {name}: {layer_s}.{kind}: {problem}; {_BUILD_HINT}")
+        with self._reader(file) as read:
+            for key in sorted(self.keys(file)):
+                name, _, rest = key.partition(".")
+                layer_s, kind, part = _SELECTION_KEY.fullmatch(rest).groups()
+                if part != "indices":
+                    picks = key.removesuffix(part) + "indices"
+                    if picks not in self.keys(file):
+                        raise GoldenError(f"{self.path / file}: {key} has no {picks}; {_BUILD_HINT}")
+                    continue
+                layer, base = int(layer_s), key.removesuffix(".indices")
+                if base + ".margin" not in self.keys(file):
+                    raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
+                idx, margin = read(key), read(base + ".margin")
+                have = self.keys(file)
+                ranked = read(base + ".ranked") if base + ".ranked" in have else None
+                scores = read(base + ".scores") if base + ".scores" in have else None
+                rows = lengths[name]
+                ratio = ratios[layer] if ratios is not None and layer < len(ratios) else None
+                fits = ranked is not None and idx.dim() == 2 and ranked.dim() == 2 and ranked.shape[0] == idx.shape[0]
+                picks = torch.cat([idx, ranked.to(idx.dtype)], 1) if fits else idx  # same bounds, -1 aside
+                if layers is not None and layer >= layers:
+                    problem = f"layer {layer}, the model has {layers}"
+                elif idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != rows:
+                    problem = f"indices {tuple(idx.shape)} {idx.dtype}, expected int64 [{rows}, k]"
+                elif not margin.is_floating_point() or tuple(margin.shape) != (rows,) or not (margin >= 0).all():
+                    problem = f"margins {tuple(margin.shape)} {margin.dtype}, expected {rows} floats >= 0 (inf: none)"
+                elif (ranked is None) != (scores is None):
+                    problem = "ranked without scores" if scores is None else "scores without ranked"
+                elif ranked is not None and (ranked.dtype != torch.int64 or ranked.dim() != 2 or ranked.shape[0] != rows
+                                             or (ranked.numel() and ranked.min() < -1)):
+                    problem = f"ranked {tuple(ranked.shape)} {ranked.dtype}, expected int64 [{rows}, r] (-1: none)"
+                elif scores is not None and (not scores.is_floating_point() or scores.shape != ranked.shape
+                                             or scores.isnan().any() or scores.isposinf().any()):
+                    problem = f"scores {tuple(scores.shape)} {scores.dtype}, expected floats (no NaN, +inf) like ranked"
+                elif kind == "router" and idx.numel() and (idx.min() < 0 or (experts and picks.max() >= experts)):
+                    problem = f"expert ids {idx.min()}..{picks.max()}, the model has {experts or 'ids from 0'}"
+                elif kind == "indexer" and ratio == 0:
+                    problem = "an indexer selection on a layer without compressed attention"
+                elif kind == "indexer" and idx.numel() and idx.min() < -1:
+                    problem = f"entry {idx.min()} (picks are entries, or -1 for none)"
+                elif kind == "indexer" and ratio and not ((picks == -1) | (picks < _closed(rows, ratio))).all():
+                    problem = f"entries not yet closed at their position (ratio {ratio})"
+                else:
+                    continue
+                raise GoldenError(f"{self.path / file}: prompt {name}: {layer_s}.{kind}: {problem}; {_BUILD_HINT}")
 
     # -- manifest views -------------------------------------------------------------------------------------
     @property
@@ -476,13 +478,14 @@ class GoldenStore:
                     self._cache[(file, key)] = f.get_tensor(key)
         return self._cache[(file, key)]
 
-    def _read(self, file: str, key: str) -> torch.Tensor:
-        """One tensor, read without caching it (the checks at open read taps and selections once)."""
+    @contextlib.contextmanager
+    def _reader(self, file: str) -> Iterator[Any]:
+        """`read(key)` of one file opened once, without caching (the checks at open read taps and selections once:
+        a file opened per tensor doubled the bundled store's open time)."""
         from safetensors import safe_open
 
-        with _readable(self._file(file)):
-            with safe_open(self._file(file), framework="pt") as f:
-                return f.get_tensor(key)
+        with _readable(self._file(file)), safe_open(self._file(file), framework="pt") as f:
+            yield f.get_tensor
 
     def input_ids(self, prompt: str) -> torch.Tensor:
         """Teacher-forced sequence [Tf]: the prompt then the greedy continuation without its last token."""
