@@ -24,7 +24,7 @@ def spread(m, ids, graph=None):
 m = load_model(MODEL, device=DEV, backend="triton", dtype="bfloat16")
 ids = probe_ids(m, repeat=2)[:, :INCREMENTAL_PROMPT]
 print("graph default", spread(m, ids), "graph off", spread(m, ids, graph=False), flush=True)
-for tie in (0.0, load_profile(dtype="bfloat16").token.tie_margin):
+for tie in (0.0, load_profile(dtype="bfloat16").token.tie_margins):
     print(f"judge_incremental tie_margin {tie}:", judge_incremental(m, 0.5, tie), flush=True)
 
 if "--ops" in sys.argv:  # each op from the reference in turn (~1 min more)

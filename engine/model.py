@@ -257,18 +257,17 @@ class Attention:
             hw = self._head_weights(x) if hw is None else hw
             scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
             scores = ops.index_scores(q, keys, hw, scale, visible)  # [B, S, T], -inf where not visible
-            if ctx.recording:  # picks of hidden entries recorded as -1
-                idx = ops.topk(scores, min(k + RANKED_EXTRA, T))[0]  # the k picks and the next ones, best first
-                vals = torch.gather(scores, -1, idx)
-                idx = torch.where(vals == float("-inf"), -1, idx)
-                if k < T:
-                    inf = float("inf")  # -inf minus -inf: no competitor
-                    margin = torch.nan_to_num(vals[..., k - 1] - vals[..., k], nan=inf, posinf=inf)
-                else:
-                    margin = torch.full_like(vals[..., 0], float("inf"))
-                ctx.record(self.i, "indexer", Selection(idx[..., :k], margin, idx, vals))
+            own = ops.topk_mask(scores, k, out=out if forced is None else None)  # hidden (-inf): never in it
+            if ctx.recording:  # the picks of the mask attended with (not a second top-k: a mask kernel's bug
+                # shows), best first, -1 past them; the band from a plain sort of the same scores
+                n = max(k, int(own.sum(-1).max()))
+                idx = ranked(scores.masked_fill(~own, float("-inf")), n)[0]
+                top, vals = ranked(scores, k + RANKED_EXTRA)
+                inf = float("inf")  # -inf minus -inf: no competitor
+                margin = torch.nan_to_num(vals[..., k - 1] - vals[..., k], nan=inf, posinf=inf)
+                ctx.record(self.i, "indexer", Selection(idx, margin, top, vals))
             if forced is None:
-                return ops.topk_mask(scores, k, out=out)  # hidden entries score -inf: never in the mask
+                return own
         hit = torch.zeros(B, S, T + 1, dtype=torch.bool, device=x.device)
         if forced is not None:
             hit.scatter_(-1, torch.where((forced >= 0) & (forced < T), forced, T), True)  # an entry not made yet

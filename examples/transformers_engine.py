@@ -4,8 +4,8 @@ official-layout checkpoint dequantized at load: an independent implementation th
     PYTHONPATH=examples pytest --cdna2-engine=transformers_engine:load --cdna2-model=M --cdna2-goldens=G
 
 It records what the token tier's near-tie rule and bisect need through forward hooks: taps under the goldens'
-names and every router and indexer pick with its margin, and forces given picks (only which entries are used:
-the weights stay transformers' own). Built on transformers 5.23's module layout.
+names and every router and indexer pick with its margin and best k + 4 entries' scores, and forces given picks
+(only which entries are used: the weights stay transformers' own). Built on transformers 5.23's module layout.
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ import torch
 from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
 
-def _record(picks: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Picks padded to k with -1 (fewer entries than k), and the margin: k-th minus (k+1)-th score."""
+def _record(picks: torch.Tensor, scores: torch.Tensor, k: int) -> NS:
+    """Picks padded to k with -1 (fewer entries than k), the margin (k-th minus (k+1)-th score) and the best
+    k + 4 entries with their scores (-1 / -inf: none), from which the suite reads a flip's near-tie band."""
     picks = torch.cat([picks, picks.new_full((*picks.shape[:-1], k - picks.shape[-1]), -1)], -1)
-    top = scores.topk(min(k + 1, scores.shape[-1]), -1).values
-    margin = top[..., k - 1] - top[..., k] if top.shape[-1] > k else \
-        torch.full(top.shape[:-1], float("inf"), dtype=top.dtype, device=top.device)
-    return picks, margin.nan_to_num(float("inf"))  # no competitor: the dtype's largest, as the bundled engine
+    r = k + 4
+    top = scores.topk(min(r, scores.shape[-1]), -1)
+    vals = torch.nn.functional.pad(top.values, (0, r - top.values.shape[-1]), value=float("-inf"))
+    ranked = torch.nn.functional.pad(top.indices, (0, r - top.indices.shape[-1]), value=-1)
+    ranked = torch.where(vals == float("-inf"), -1, ranked)
+    margin = (vals[..., k - 1] - vals[..., k]).nan_to_num(nan=float("inf"), posinf=float("inf"))  # none: inf
+    return NS(indices=picks, margin=margin, ranked=ranked, scores=vals)
 
 
 class TransformersEngine:
@@ -62,9 +66,10 @@ class TransformersEngine:
                 return None
             logits, _, picks = out
             scores = mod.score_fn(logits)  # in transformers' own dtype: forcing changes the picks only
-            idx, margin = _record(picks, (scores + mod.e_score_correction_bias).double(), mod.top_k)
+            sel = _record(picks, (scores + mod.e_score_correction_bias).double(), mod.top_k)
             T = self._t["T"]
-            self._t["sel"][(i, "router")] = NS(indices=idx.view(-1, T, mod.top_k), margin=margin.view(-1, T))
+            self._t["sel"][(i, "router")] = NS(**{n: getattr(sel, n).view(-1, T, *getattr(sel, n).shape[1:])
+                                                  for n in ("indices", "margin", "ranked", "scores")})
             forced = self._t["force"].get((i, "router"))
             if forced is None:
                 return None
@@ -85,8 +90,8 @@ class TransformersEngine:
             pos = torch.arange(s.shape[1], device=s.device)
             closed = ((pos + 1) // mod.compress_rate)[:, None]  # entries closed at each position
             s = s.masked_fill(torch.arange(s.shape[2], device=s.device) >= closed, float("-inf"))
-            idx, margin = _record(out, s, min(mod.index_topk, s.shape[-1]))  # k: at most the entries there are
-            self._t["sel"][(i, "indexer")] = NS(indices=idx, margin=margin)
+            self._t["sel"][(i, "indexer")] = _record(out, s, min(mod.index_topk, s.shape[-1]))  # k: at most the
+            # entries there are
             return self._t["force"].get((i, "indexer"))  # None keeps transformers' own pick
         return hook
 

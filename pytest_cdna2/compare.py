@@ -349,32 +349,38 @@ def _flat(t: Any, rows: int, key: Any, part: str, cols: bool) -> torch.Tensor:
     """A selection's per-position part as [rows] (margin) or [rows, r] (ranked, scores); a shape that does not
     cover every position is an error naming it (not an IndexError, nor entries read from the wrong position)."""
     t = torch.as_tensor(t).detach().cpu()
-    flat = t.reshape(-1, t.shape[-1]) if cols and t.dim() >= 2 else t.flatten()
-    if flat.shape[0] != rows or (cols and flat.dim() != 2):
-        raise ValueError(f"selection {key}: {part} of shape {tuple(t.shape)} does not give one "
-                         f"{'row' if cols else 'value'} per position ({rows})")
-    return flat
+    if cols and t.dim() >= 2 and math.prod(t.shape[:-1]) == rows:
+        return t.reshape(rows, t.shape[-1])
+    if not cols and t.numel() == rows:
+        return t.flatten()
+    raise ValueError(f"selection {key}: {part} of shape {tuple(t.shape)} does not give one "
+                     f"{'row' if cols else 'value'} per position ({rows})")
 
 
 def flip_width(actual: list[int], expected: list[int], ranked: list[int], scores: list[float]) -> float:
     """The smallest tie margin whose near-tie band holds picks `actual` in place of `expected`: the best ranked
     score left out minus the worst picked (a top-k of `scores` moved by less than half of it each). inf when the
-    picks are not all ranked or not as many: no rounding explains them. Only entries at the k-th/(k+1)-th
+    picks are not all ranked, not as many, or repeated (-1 is "none", any other negative id a bug): no rounding
+    explains them. Only entries at the k-th/(k+1)-th
     boundary trade places within a small width; evicting a clear winner needs a wide one."""
-    picks, want = {i for i in actual if i >= 0}, {i for i in expected if i >= 0}
+    picks, want = [i for i in actual if i >= 0], [i for i in expected if i >= 0]
     known = {i: s for i, s in zip(ranked, scores, strict=True) if i >= 0}
-    if len(picks) != len(want) or not picks <= known.keys():
+    if (len(picks) != len(want) or len(set(picks)) != len(picks) or min(actual, default=0) < -1
+            or not set(picks) <= known.keys()):  # a pick repeated, an odd id, a pick short or unranked
         return math.inf
-    left_out = [s for i, s in known.items() if i not in picks]
-    return max(left_out, default=-math.inf) - min(known[i] for i in picks)
+    chosen = set(picks)
+    left_out = [s for i, s in known.items() if i not in chosen]
+    return max(left_out, default=-math.inf) - min((known[i] for i in chosen), default=math.inf)
 
 
-def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, tie_margin: float) -> SelectionDiff:
+def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *,
+                   tie_margin: float | Mapping[str, float]) -> SelectionDiff:
     """Compare ``{(layer, kind): selection}`` maps (``.indices`` [T, k] or [B, T, k]; expected also ``.margin``
     [T] or [B, T]; a position is then b * T + t). Where expected also has ``.ranked`` and ``.scores``
     ([.., r]: its best entries and their selection scores), a flip is a near-tie only if the actual picks are a
     top-k of those scores moved by less than tie_margin / 2 each (three-way ties included, a wrong pick or an
-    evicted clear winner not); without them, if the expected margin is below tie_margin.
+    evicted clear winner not); without them, if the expected margin is below tie_margin. `tie_margin`: one for
+    every kind, or {kind: margin} ("router", "indexer").
 
     Keys only in one map are an error: the engines disagree about which layers select at all.
     """
@@ -383,6 +389,9 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
                          f"expected only {sorted(set(expected) - set(actual))}")
     near, real, compared = [], [], 0
     for key in sorted(expected):
+        if isinstance(tie_margin, Mapping) and key[1] not in tie_margin:
+            raise ValueError(f"selection {key}: no tie margin for kind {key[1]!r} (have {sorted(tie_margin)})")
+        tie_at = tie_margin[key[1]] if isinstance(tie_margin, Mapping) else tie_margin
         a, e = _rows(actual[key].indices, "actual"), _rows(expected[key].indices, "expected")
         if a.shape != e.shape:
             raise ValueError(f"selection {key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
@@ -394,15 +403,15 @@ def selection_diff(actual: Mapping[Any, Any], expected: Mapping[Any, Any], *, ti
         if band:
             ranked = _flat(ranked, rows, key, "ranked", True).long()
             scores = _flat(scores, rows, key, "scores", True).double()
-            if ranked.shape != scores.shape:
-                raise ValueError(f"selection {key}: ranked {tuple(ranked.shape)} and scores {tuple(scores.shape)} "
-                                 "differ in shape")
+            if ranked.shape != scores.shape or ranked.shape[1] < e.shape[-1]:
+                raise ValueError(f"selection {key}: ranked {tuple(ranked.shape)} and scores {tuple(scores.shape)}: "
+                                 f"expected the same shape, at least the {e.shape[-1]} picks wide")
         compared += rows
         a2, e2 = a.reshape(rows, -1), e.reshape(rows, -1)
         for t in (a != e).any(-1).flatten().nonzero().flatten().tolist():
             if band:
-                tie = flip_width(a2[t].tolist(), e2[t].tolist(), ranked[t].tolist(), scores[t].tolist()) < tie_margin
+                tie = flip_width(a2[t].tolist(), e2[t].tolist(), ranked[t].tolist(), scores[t].tolist()) < tie_at
             else:
-                tie = float(margin[t]) < tie_margin
+                tie = float(margin[t]) < tie_at
             (near if tie else real).append((key[0], key[1], t))
     return SelectionDiff(tuple(near), tuple(real), compared)

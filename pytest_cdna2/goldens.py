@@ -412,6 +412,8 @@ class GoldenStore:
                     problem = f"entry {idx.min()} (picks are entries, or -1 for none)"
                 elif kind == "indexer" and ratio and not ((picks == -1) | (picks < _closed(rows, ratio))).all():
                     problem = f"entries not yet closed at their position (ratio {ratio})"
+                elif ranked is not None and idx.dim() == 2 and (band := _band_problem(idx, margin, ranked, scores)):
+                    problem = band
                 else:
                     continue
                 raise GoldenError(f"{self.path / file}: prompt {name}: {layer_s}.{kind}: {problem}; {_BUILD_HINT}")
@@ -592,6 +594,32 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         )
     _check_layout(manifest, mpath)
     return manifest
+
+
+def _band_problem(idx: torch.Tensor, margin: torch.Tensor, ranked: torch.Tensor, scores: torch.Tensor) -> str | None:
+    """What makes a selection's ranking unfit to judge flips by (None: fit): the near-tie band is read from it,
+    so ranked entries that do not start with the picks, repeat, or carry scores out of order, or a margin that
+    is not the k-th minus (k+1)-th score, would excuse the wrong flips."""
+    k, r = idx.shape[1], ranked.shape[1]
+    if r < k:
+        return f"ranked {r} entries, fewer than the {k} picks"
+    srt = ranked.sort(-1).values
+    if ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any():
+        return "ranked entries repeated within a position"
+    if ((ranked == -1) != (scores == float("-inf"))).any():
+        return "ranked -1 (none) and -inf scores at different places"
+    if (scores[:, 1:] > scores[:, :-1]).any():
+        return "scores not in descending order"
+    if not torch.equal(ranked[:, :k].sort(-1).values, idx.sort(-1).values):
+        return "ranked entries that do not start with the picks"
+    if r > k:
+        gap = (scores[:, k - 1] - scores[:, k]).double().nan_to_num(nan=math.inf, posinf=math.inf)
+        m = margin.double()
+        finite = torch.isfinite(gap) & torch.isfinite(m)
+        if (torch.isfinite(gap) != torch.isfinite(m)).any() or \
+                ((gap - m).abs()[finite] > 1e-4 + 1e-3 * gap.abs()[finite]).any():
+            return "margins that are not the k-th minus the (k+1)-th ranked score"
+    return None
 
 
 def _closed(rows: int, ratio: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ forced logits are judged; any other flip is a bug and fails.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
     except ValueError as e:  # the engine refuses the golden's selections (another model's, or a form it has not)
         return Verdict(False, f"{what}: the engine refuses the golden's selections: {e}", metrics, 0)
     try:
-        diff = selection_diff(tr.selections, golden, tie_margin=limits.tie_margin)
+        diff = selection_diff(tr.selections, golden, tie_margin=limits.tie_margins)
     except ValueError as e:
         return Verdict(False, f"{what}: the engine's recorded selections do not match the golden's: {e}", metrics, 0)
     if diff.real:
@@ -131,7 +132,8 @@ class Incremental:
     cause: str = ""  # "limit": only the diff is over it; "flips", "repeat", "selections": a failure beside it
 
 
-def judge_incremental(engine: Any, limit: float, tie_margin: float, steps: int = 40) -> Incremental:
+def judge_incremental(engine: Any, limit: float, tie_margin: float | Mapping[str, float],
+                      steps: int = 40) -> Incremental:
     """Greedy decode against one prefill of the same tokens, with the near-tie rule of the module docstring
     turned round: over the limit, the decode runs again recording its own selections (`generate(...,
     selections={})`: eager, its steps bit-identical to the first run's or it fails) and the prefill is run with

@@ -50,8 +50,14 @@ class TokenLimits:
     max_abs: float
     top1_min: float
     topk: int
-    tie_margin: float
+    tie_margin_router: float  # per kind: router scores round far less than indexer scores in bf16
+    tie_margin_indexer: float
     tap_rtol_fro: float
+
+    @property
+    def tie_margins(self) -> dict[str, float]:
+        """{kind: tie margin} as `compare.selection_diff` takes them."""
+        return {"router": self.tie_margin_router, "indexer": self.tie_margin_indexer}
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,9 @@ def _apply(path: Path, data: dict[str, Any], base: dict[str, dict[str, Any]]) ->
             raise ToleranceError(f"{path}: {section}: expected a [{section}] table")
         allowed = {f.name for f in fields(_SECTIONS[section])}
         for key, value in table.items():
+            if key == "tie_margin" and section == "token":
+                raise ToleranceError(f"{path}: [token] tie_margin: split in two since 2026-12-07: set "
+                                     "tie_margin_router and tie_margin_indexer")
             if key not in allowed:
                 raise ToleranceError(
                     f"{path}: [{section}] {key}: unknown key (known: {', '.join(sorted(allowed))})"

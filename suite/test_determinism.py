@@ -36,7 +36,7 @@ def test_incremental_decode_matches_prefill(cdna2_engine, cdna2_tolerance, cdna2
     long enough to wrap the sliding window and close compression windows during the decode. A decode whose
     sparse picks flipped at near-ties is judged against a prefill given its picks (pytest_cdna2.judge)."""
     limit = cdna2_tolerance.determinism.incremental_max_abs
-    r = judge_incremental(cdna2_engine, limit, cdna2_tolerance.token.tie_margin)
+    r = judge_incremental(cdna2_engine, limit, cdna2_tolerance.token.tie_margins)
     cdna2_record("incremental_max_abs", r.diff, limit,
                  what=f"{r.near_tie_flips} near-tie flips" if r.near_tie_flips else "")
     assert not r.message, r.message

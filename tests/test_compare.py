@@ -193,6 +193,63 @@ def test_selection_diff_splits_near_ties_from_real_flips():
         selection_diff({}, golden, tie_margin=0.0)
 
 
+# an indexer row with 3 picks of which 2 exist (-1: none), ranked best first; entries 7 and 8 tie with pick 5
+BAND = dict(ranked=[3, 5, 7, 8, 9, -1], scores=[2.0, 1.0, 0.99, 0.98, 0.5, -math.inf])
+
+
+@pytest.mark.parametrize("actual, width", [
+    ([3, 5, -1], -0.01),  # the same picks: minus their margin (inside any band)
+    ([3, 7, -1], 0.01),  # the runner-up in place of the k-th pick
+    ([3, 8, -1], 0.02),  # the (k+2)-th at a three-way tie: its gap to the best left out
+    ([7, 5, -1], 1.01),  # a clear winner evicted: wide
+    ([3, 5, 5], math.inf),  # a pick repeated in place of "none" (a review's mutation: taken as a near-tie)
+    ([3, -2, 5], math.inf),  # an id below -1
+    ([3, 5, 6], math.inf),  # one pick more than the golden has
+    ([3, 11, -1], math.inf),  # an entry outside the ranking
+])
+def test_flip_width_is_the_band_a_flip_needs(actual, width):
+    from pytest_cdna2.compare import flip_width
+
+    assert flip_width(actual, [3, 5, -1], BAND["ranked"], BAND["scores"]) == pytest.approx(width)
+
+
+def test_selection_diff_takes_a_tie_margin_per_kind():
+    """Router scores round far less than indexer scores: one swap of the same band width is rounding in an
+    indexer selection and a bug in a router selection when their margins say so."""
+    from types import SimpleNamespace as S
+
+    from pytest_cdna2.compare import selection_diff
+
+    gold = S(indices=torch.tensor([[3, 5]]), margin=torch.tensor([0.01]), ranked=torch.tensor([[3, 5, 7]]),
+             scores=torch.tensor([[2.0, 1.0, 0.99]]))
+    swap = S(indices=torch.tensor([[3, 7]]), margin=None)
+    d = selection_diff({(0, "router"): swap, (1, "indexer"): swap}, {(0, "router"): gold, (1, "indexer"): gold},
+                       tie_margin={"router": 0.005, "indexer": 0.05})
+    assert d.real == ((0, "router", 0),) and d.near_tie == ((1, "indexer", 0),)
+    with pytest.raises(ValueError, match=r"no tie margin for kind 'indexer' \(have \['router'\]\)"):
+        selection_diff({(1, "indexer"): swap}, {(1, "indexer"): gold}, tie_margin={"router": 0.005})
+
+
+@pytest.mark.parametrize("part, value, message", [
+    ("ranked", torch.zeros(1, 0, dtype=torch.long), r"ranked \(1, 0\) and scores \(1, 3\): expected the same shape"),
+    ("margin", torch.ones(2), r"margin of shape \(2,\) does not give one value per position \(1\)"),
+    ("scores", torch.ones(2, 3), r"scores of shape \(2, 3\) does not give one row per position \(1\)"),
+])
+def test_selection_diff_names_a_part_that_does_not_fit(part, value, message):
+    """A user engine's ranking or margin that does not cover every position is one ValueError naming it (the
+    judges turn it into the tier's one-line failure), not an IndexError or a reshape error."""
+    from types import SimpleNamespace as S
+
+    from pytest_cdna2.compare import selection_diff
+
+    gold = dict(indices=torch.tensor([[3, 5]]), margin=torch.tensor([0.01]), ranked=torch.tensor([[3, 5, 7]]),
+                scores=torch.tensor([[2.0, 1.0, 0.99]]))
+    gold[part] = value
+    with pytest.raises(ValueError, match=message):
+        selection_diff({(0, "router"): S(indices=torch.tensor([[3, 7]]), margin=None)}, {(0, "router"): S(**gold)},
+                       tie_margin=0.05)
+
+
 @pytest.mark.parametrize("limits", [{"topk": 5}, {}], ids=["topk-only", "no-limits"])
 def test_a_nan_row_fails_whatever_the_limits(limits):
     """NaN in the actual logits only fails even when no metric limit would notice it (the greedy check passes

@@ -282,8 +282,8 @@ def test_contents_that_contradict_each_other_are_refused_at_open(tmp_path, edit,
 NAN = float("nan")
 SEL = {"p00.1.router.indices": torch.tensor([[0, 1], [2, 3], [1, 2]]), "p00.1.router.margin": torch.ones(3),
        "p00.1.indexer.indices": torch.tensor([[-1], [-1], [-1]]), "p00.1.indexer.margin": torch.full((3,), torch.inf)}
-RANK = {"p00.1.router.ranked": torch.tensor([[0, 1, 2], [2, 3, 0], [1, 2, 3]]),
-        "p00.1.router.scores": torch.tensor([[1.0, 0.5, 0.2]] * 3)}
+RANK = {"p00.1.router.ranked": torch.tensor([[0, 1, 2], [2, 3, 0], [1, 2, 3]]),  # the picks first, margin 1
+        "p00.1.router.scores": torch.tensor([[2.5, 2.0, 1.0]] * 3)}
 CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratios=[0, 1])
 
 
@@ -315,8 +315,22 @@ CONFIG = SimpleNamespace(num_hidden_layers=2, n_routed_experts=4, compress_ratio
     ({"selections": {"p00.5.router.indices": torch.tensor([[0]] * 3), "p00.5.router.margin": torch.ones(3)}},
      None, r"5.router: layer 5, the model has 2"),
     ({"selections": {**SEL, **RANK}}, CONFIG, None),
-    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2]] * 2 + [[1, 2, 4]])}}, CONFIG,
-     r"1.router: expert ids 0..4, the model has 4"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2], [2, 3, 0], [1, 2, 4]])}},
+     CONFIG, r"1.router: expert ids 0..4, the model has 4"),
+    # a ranking the near-tie band cannot be read from (a review's store: margin 1, every score 0, passed a swap)
+    ({"selections": {**SEL, **RANK, "p00.1.router.scores": torch.zeros(3, 3)}}, None,
+     r"1.router: margins that are not the k-th minus the \(k\+1\)-th ranked score"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2], [2, 3, 0], [1, 3, 2]])}},
+     None, r"1.router: ranked entries that do not start with the picks"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 1], [2, 3, 0], [1, 2, 3]])}},
+     None, r"1.router: ranked entries repeated within a position"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.scores": torch.tensor([[2.5, 2.0, 1.0], [2.0, 2.5, 1.5],
+                                                                            [2.5, 2.0, 1.0]])}},
+     None, r"1.router: scores not in descending order"),
+    ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, -1], [2, 3, 0], [1, 2, 3]])}},
+     None, r"1.router: ranked -1 \(none\) and -inf scores at different places"),
+    ({"selections": {**SEL, "p00.1.router.ranked": torch.tensor([[0], [2], [1]]),
+                     "p00.1.router.scores": torch.ones(3, 1)}}, None, r"1.router: ranked 1 entries, fewer than the 2"),
     ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, -2]] * 3)}}, None,
      r"1.router: ranked \(3, 3\) torch.int64, expected int64 \[3, r\] \(-1: none\)"),
     ({"selections": {**SEL, **RANK, "p00.1.router.ranked": torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)}},

@@ -17,7 +17,7 @@ from pytest_cdna2.judge import batch_spread, judge_incremental, judge_prompt
 from pytest_cdna2.tolerance import load_profile
 
 T, V, K = 6, 50, 2
-LIMITS = replace(load_profile().token, tie_margin=1e-3)
+LIMITS = replace(load_profile().token, tie_margin_router=1e-3, tie_margin_indexer=1e-3)
 MARGINS = torch.tensor([0.5, 0.5, 1e-5, 0.5, 0.5, 0.5])  # step 2 is a near-tie of the golden (< tie_margin)
 
 
@@ -217,7 +217,7 @@ def mark_decoding(monkeypatch, model, marks: list) -> None:
     monkeypatch.setattr(model, "decode", marked)
 
 
-BF16_TIE = load_profile(dtype="bfloat16").token.tie_margin  # 8.2e-2: rounding flips seen in bfloat16
+BF16_TIE = load_profile(dtype="bfloat16").token.tie_margins  # per kind: rounding flips seen in bfloat16
 
 
 def test_incremental_near_tie_flips_are_judged_forced(tiny_model, monkeypatch):
@@ -316,3 +316,24 @@ def test_incremental_decode_that_does_not_repeat_fails(tiny_model, monkeypatch):
     monkeypatch.setattr(tiny_model, "decode", lambda *a, **k: decode(*a, **k) + torch.rand(1, generator=g).item())
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
     assert "a second decode recording its selections differs from the first" in r.message
+
+
+def test_a_mask_kernel_that_drops_the_best_entry_fails_the_token_tier(tiny_model, monkeypatch):
+    """The indexer attends with `topk_mask`, not `topk`: a mask that swaps each position's best entry for the
+    (k+1)-th fails the teacher-forced prompt even down the forced path, which records the picks of the mask the
+    engine attends with (a review's mutation passed 15 of 16 prompts while the picks came from `topk`)."""
+    from pytest_cdna2.goldens import BUNDLED_GOLDENS, GoldenStore
+
+    real = tiny_model.ops.topk_mask
+
+    def best_dropped(scores, k, out=None):
+        mask = real(scores, k + 1)
+        mask.scatter_(-1, scores.argmax(-1, keepdim=True), False)
+        mask &= scores != float("-inf")
+        return mask if out is None else out.copy_(mask)
+
+    monkeypatch.setattr(tiny_model.ops, "topk_mask", best_dropped)
+    store = GoldenStore.open(BUNDLED_GOLDENS)
+    verdicts = [judge_prompt(tiny_model, store, p.name, load_profile().token) for p in store.prompts[:4]]
+    assert not any(v.ok for v in verdicts), [v.message for v in verdicts]
+    assert any("differ away from near-ties" in v.message and "indexer" in v.message for v in verdicts)

@@ -22,7 +22,9 @@ def test_default_profile_is_complete():
 def test_bf16_engines_get_the_bf16_profile():
     p32, p16 = load_profile(dtype="float32"), load_profile(dtype="bfloat16")
     assert p16.name == "bfloat16-derived" and p16.path.endswith("tolerance_bf16.toml")
-    assert p16.token.kl_max > p32.token.kl_max and p16.token.tie_margin > p32.token.tie_margin
+    assert p16.token.kl_max > p32.token.kl_max
+    assert p16.token.tie_margin_router > p32.token.tie_margin_router
+    assert p16.token.tie_margin_indexer > p16.token.tie_margin_router  # bf16 indexer scores round far more
 
 
 def test_user_profile_overrides_only_its_keys(tmp_path):
@@ -42,6 +44,8 @@ def test_user_profile_overrides_only_its_keys(tmp_path):
     ("text", "message"),
     [
         ("[token]\nkl_mx = 1\n", r"\[token\] kl_mx: unknown key \(known: cosine_min, kl_max"),
+        ("[token]\ntie_margin = 1e-3\n", r"\[token\] tie_margin: split in two since 2026-12-07: set tie_margin_router "
+         "and tie_margin_indexer"),
         ("[tokens]\n", r"unknown key 'tokens' \(known: name, \[token\], \[kernel\], \[determinism\]\)"),
         ("[token]\nkl_max = -1.0\n", r"\[token\] kl_max: expected a finite number >= 0, got -1.0"),
         ("[token]\nkl_max = nan\n", r"\[token\] kl_max: expected a finite number >= 0"),

@@ -64,8 +64,8 @@ def test_goldens_of_another_checkpoint_stop_a_user_engines_run(pytester, monkeyp
 def test_the_example_traces_as_the_bundled_engine_does(tmp_path, monkeypatch, name, T):
     """The example's trace against the bundled float64 reference, batch 2 (float64 both; transformers keeps float32
     islands, so 1e-5, DESIGN.md section 7): the same taps, the same selection keys, widths and picks (the indexer's
-    k at most the closed entries: 12 tokens close 3 at ratio 4), margins, and forced picks that change the logits
-    alike. The suite's run above passes on logits alone and never reaches this code."""
+    k at most the closed entries: 12 tokens close 3 at ratio 4), margins, best k + 4 scores, and forced picks that
+    change the logits alike. The suite's run above passes on logits alone and never reaches this code."""
     import sys
 
     import cdna2_engine
@@ -93,6 +93,10 @@ def test_the_example_traces_as_the_bundled_engine_does(tmp_path, monkeypatch, na
         alone = (xm > 1e30, ym > 1e30)  # no competitor (inf, or the dtype's largest after nan_to_num)
         assert torch.equal(*alone), k
         assert torch.allclose(xm[~alone[0]], ym[~alone[0]], rtol=1e-4, atol=1e-6), k
+        xs, ys = x.scores.double(), y.scores.double()  # the near-tie band: the same best k + 4 scores
+        assert x.ranked.shape == y.ranked.shape == xs.shape and torch.equal(xs.isinf(), ys.isinf()), k
+        assert torch.allclose(xs[xs.isfinite()], ys[xs.isfinite()], rtol=1e-4, atol=1e-6), k
+        assert torch.equal(x.ranked == -1, y.ranked == -1), k
     changed = {}
     for (layer, kind), sel in a.selections.items():  # every router's first pick moved to another expert
         idx = sel.indices.clone()
