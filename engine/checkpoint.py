@@ -178,7 +178,7 @@ class _Files:
         files, weight_map = _index(folder)
         self.handles, self.where = {}, {}
         self.names: dict[str, tuple[str, object]] = {}  # official name -> (file key, stacked slice)
-        self.on_read: Callable[[str, torch.Tensor], None] | None = None  # sees each tensor as stored, once
+        self.on_read: Callable[[str, str, torch.Tensor], None] | None = None  # (name, file key, tensor as stored)
         for name in files:
             path = folder / name
             if not path.exists():
@@ -308,11 +308,11 @@ def read_checkpoint(path: str | Path, cfg: Config | None = None) -> tuple[Config
 
 
 def stream_checkpoint(path: str | Path, cfg: Config | None = None,
-                      on_read: Callable[[str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, object]]:
+                      on_read: Callable[[str, str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, object]]:
     """(official key, QWeight | Tensor) one at a time, validated as `read_checkpoint` validates them, so a
-    checker can visit a 160 GB checkpoint holding one tensor at a time; `on_read(official key, tensor)` sees each
-    tensor as stored (before a scale is converted or a check raises), so a second checker needs no second read.
-    Missing keys are found before any tensor is read; a tensor's shape, dtype and values when it is read; the
+    checker can visit a 160 GB checkpoint holding one tensor at a time; `on_read(official key, file key, tensor)`
+    sees each tensor as stored (before a scale is converted or a check raises): a second checker needs no second
+    read. Missing keys are found before any tensor is read; a tensor's shape, dtype and values when it is read; the
     experts' common storage and keys the config does not imply after the last (a shape mismatch names the tensor
     and both shapes, which says more)."""
     folder = _folder(path)
@@ -386,7 +386,7 @@ def _need(files: _Files, name: str) -> torch.Tensor:
     key, part = files.names[name]
     t = files.get(key, part)
     if files.on_read is not None:
-        files.on_read(name, t)
+        files.on_read(name, key, t)
     return t
 
 

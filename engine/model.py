@@ -259,9 +259,11 @@ class Attention:
             scores = ops.index_scores(q, keys, hw, scale, visible)  # [B, S, T], -inf where not visible
             own = ops.topk_mask(scores, k, out=out if forced is None else None)  # hidden (-inf): never in it
             if ctx.recording:  # the picks of the mask attended with (not a second top-k: a mask kernel's bug
-                # shows), best first, -1 past them; the band from a plain sort of the same scores
+                # shows), best first, -1 past them (a hidden entry in the mask by its id, scored lowest); the
+                # band from a plain sort of the same scores
                 n = max(k, int(own.sum(-1).max()))
-                idx = ranked(scores.masked_fill(~own, float("-inf")), n)[0]
+                low = torch.finfo(scores.dtype).min
+                idx = ranked(torch.where(own, scores.clamp(min=low), float("-inf")), n)[0]
                 top, vals = ranked(scores, k + RANKED_EXTRA)
                 inf = float("inf")  # -inf minus -inf: no competitor
                 margin = torch.nan_to_num(vals[..., k - 1] - vals[..., k], nan=inf, posinf=inf)

@@ -90,9 +90,10 @@ class _Scanner:
         self.scan, self.device, self.decode = WeightScan(), device, decode
         self.shapes: set = set()
         self.waiting: tuple[str, torch.Tensor] | None = None
-        self.seen: set[str] = set()  # weights checked
+        self.seen: set[str] = set()  # file keys read (a reader may store names otherwise: `model.` prefixes)
 
-    def visit(self, key: str, t: torch.Tensor) -> None:
+    def visit(self, key: str, file_key: str, t: torch.Tensor) -> None:
+        self.seen.add(file_key)
         if key.endswith(".weight"):
             self.waiting = (key, t)
         elif key.endswith(".scale") and self.waiting and self.waiting[0] == key.removesuffix(".scale") + ".weight":
@@ -102,7 +103,6 @@ class _Scanner:
     def check(self, key: str, w: torch.Tensor, scale: torch.Tensor) -> None:
         scan = self.scan
         scan.tensors += 1
-        self.seen.add(key)
         nans = int((scale.view(torch.uint8) == 255).sum()) if scale.dtype == torch.float8_e8m0fnu else 0
         if scale.dtype != torch.float8_e8m0fnu:
             scan.fail(SCALES, f"{key}: scale dtype {scale.dtype}, expected float8_e8m0fnu")

@@ -318,21 +318,28 @@ def test_incremental_decode_that_does_not_repeat_fails(tiny_model, monkeypatch):
     assert "a second decode recording its selections differs from the first" in r.message
 
 
-def test_a_mask_kernel_that_drops_the_best_entry_fails_the_token_tier(tiny_model, monkeypatch):
+@pytest.mark.parametrize("fault", ["best dropped", "hidden kept"])
+def test_a_faulty_mask_kernel_fails_the_token_tier_on_its_picks(tiny_model, monkeypatch, fault):
     """The indexer attends with `topk_mask`, not `topk`: a mask that swaps each position's best entry for the
-    (k+1)-th fails the teacher-forced prompt even down the forced path, which records the picks of the mask the
-    engine attends with (a review's mutation passed 15 of 16 prompts while the picks came from `topk`)."""
+    (k+1)-th, or one that keeps entries not yet closed (scored -inf), fails the teacher-forced prompt on the
+    indexer's picks even down the forced path, which records the picks of the mask the engine attends with (a
+    review's mutation passed 15 of 16 prompts while the picks came from `topk`; a hidden entry recorded as
+    "none" failed on logits alone)."""
+    from cdna2_engine.ops import reference
     from pytest_cdna2.goldens import BUNDLED_GOLDENS, GoldenStore
 
     real = tiny_model.ops.topk_mask
 
-    def best_dropped(scores, k, out=None):
-        mask = real(scores, k + 1)
-        mask.scatter_(-1, scores.argmax(-1, keepdim=True), False)
-        mask &= scores != float("-inf")
+    def faulty(scores, k, out=None):
+        if fault == "best dropped":
+            mask = real(scores, k + 1)
+            mask.scatter_(-1, scores.argmax(-1, keepdim=True), False)
+            mask &= scores != float("-inf")
+        else:  # the top-k by index order among ties, hidden entries included
+            mask = torch.zeros(scores.shape, dtype=torch.bool).scatter_(-1, reference.topk(scores, k)[0], True)
         return mask if out is None else out.copy_(mask)
 
-    monkeypatch.setattr(tiny_model.ops, "topk_mask", best_dropped)
+    monkeypatch.setattr(tiny_model.ops, "topk_mask", faulty)
     store = GoldenStore.open(BUNDLED_GOLDENS)
     verdicts = [judge_prompt(tiny_model, store, p.name, load_profile().token) for p in store.prompts[:4]]
     assert not any(v.ok for v in verdicts), [v.message for v in verdicts]
