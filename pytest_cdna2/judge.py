@@ -62,7 +62,7 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
         return Verdict(False, f"{what}: the engine's recorded selections do not match the golden's: {e}", metrics, 0)
     if diff.real:
         layer, kind, pos = diff.first_real
-        return Verdict(False, f"{failure}; {len(diff.real)} selections differ away from near-ties (first: "
+        return Verdict(False, f"{failure}; {len(diff.real)} selections differ outside the near-tie band (first: "
                        f"layer {layer} {kind} at step {pos})", metrics, 0)
     if not diff.near_tie:
         return Verdict(False, failure, metrics, 0)
@@ -168,8 +168,8 @@ def judge_incremental(engine: Any, limit: float, tie_margin: float | Mapping[str
     if sel.real:
         layer, kind, flat = sel.first_real
         row, pos = divmod(flat, seq.shape[1])
-        return Incremental(diff, 0, f"{failure}; {len(sel.real)} decode picks differ from the prefill's away from "
-                                    f"near-ties (first: layer {layer} {kind}, row {row} position {pos})", "flips")
+        return Incremental(diff, 0, f"{failure}; {len(sel.real)} decode picks differ from the prefill's outside its "
+                                    f"near-tie band (first: layer {layer} {kind}, row {row} position {pos})", "flips")
     if not sel.near_tie:
         return Incremental(diff, 0, failure, "limit")
     n = len(sel.near_tie)

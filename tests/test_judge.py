@@ -66,7 +66,7 @@ class Engine:
     (0.0, None, 0.0, True, 0, ""),  # passes outright
     (2.0, 2, 0.0, True, 1, ""),  # off, one flip at the near-tie, forced logits right: forgiven
     (2.0, 2, 2.0, False, 1, "prompt p with the golden's selections forced (1 near-tie flips)"),
-    (2.0, 3, 0.0, False, 0, "1 selections differ away from near-ties (first: layer 0 router at step 3)"),
+    (2.0, 3, 0.0, False, 0, "1 selections differ outside the near-tie band (first: layer 0 router at step 3)"),
     (2.0, None, 0.0, False, 0, "prompt p: "),  # off with no flip at all: the logits' failure stands
 ])
 def test_near_tie_rule(error, flip_at, forced_error, ok, flips, message):
@@ -114,7 +114,7 @@ def test_a_near_tie_flip_must_stay_inside_the_golden_band(col, came, ok):
     store = RankedStore()
     v = judge_prompt(SwapEngine(store, col, came), store, "p", LIMITS)
     assert (v.ok, v.near_tie_flips) == (ok, int(ok)), v.message
-    assert ok or "1 selections differ away from near-ties (first: layer 0 router at step 2)" in v.message
+    assert ok or "1 selections differ outside the near-tie band (first: layer 0 router at step 2)" in v.message
 
 
 def test_an_engine_refusing_the_golden_selections_fails_the_prompt_in_one_line():
@@ -232,10 +232,10 @@ def test_incremental_near_tie_flips_are_judged_forced(tiny_model, monkeypatch):
 def test_incremental_flips_away_from_near_ties_fail(tiny_model, monkeypatch):
     off_decode_router(monkeypatch, tiny_model, bias=0.3)  # flips where the prefill's margin is up to ~0.6
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
-    assert "decode picks differ from the prefill's away from near-ties (first: layer" in r.message
+    assert "decode picks differ from the prefill's outside its near-tie band (first: layer" in r.message
     monkeypatch.undo()
     off_decode_router(monkeypatch, tiny_model, bias=0.01)
-    assert "away from near-ties" in judge_incremental(tiny_model, 0.5, 0.0).message  # no tie forgiven
+    assert "near-tie band" in judge_incremental(tiny_model, 0.5, 0.0).message  # no tie forgiven
 
 
 def test_incremental_drift_without_a_flip_fails(tiny_model, monkeypatch):
@@ -262,7 +262,7 @@ def test_incremental_wrong_pick_at_a_small_margin_fails(tiny_model, monkeypatch)
     monkeypatch.setattr(tiny_model.ops, "route", worst)
     mark_decoding(monkeypatch, tiny_model, decoding)
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
-    assert r.cause == "flips" and "away from near-ties" in r.message
+    assert r.cause == "flips" and "near-tie band" in r.message
 
 
 def test_incremental_best_pick_dropped_for_the_runner_up_fails(tiny_model, monkeypatch):
@@ -282,7 +282,7 @@ def test_incremental_best_pick_dropped_for_the_runner_up_fails(tiny_model, monke
     monkeypatch.setattr(tiny_model.ops, "route", best_dropped)
     mark_decoding(monkeypatch, tiny_model, decoding)
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
-    assert r.cause == "flips" and "away from near-ties" in r.message
+    assert r.cause == "flips" and "near-tie band" in r.message
 
 
 def test_incremental_first_token_from_a_wrong_prefill_fails(tiny_model, monkeypatch):
@@ -306,7 +306,7 @@ def test_incremental_bug_beside_near_tie_flips_fails(tiny_model, monkeypatch):
     monkeypatch.undo()
     off_decode_router(monkeypatch, tiny_model, bias=0.01, weight=1.2)  # every layer: later picks move
     r = judge_incremental(tiny_model, 0.5, BF16_TIE)
-    assert "decode picks differ from the prefill's away from near-ties" in r.message
+    assert "decode picks differ from the prefill's outside its near-tie band" in r.message
 
 
 def test_incremental_decode_that_does_not_repeat_fails(tiny_model, monkeypatch):
@@ -343,4 +343,4 @@ def test_a_faulty_mask_kernel_fails_the_token_tier_on_its_picks(tiny_model, monk
     store = GoldenStore.open(BUNDLED_GOLDENS)
     verdicts = [judge_prompt(tiny_model, store, p.name, load_profile().token) for p in store.prompts[:4]]
     assert not any(v.ok for v in verdicts), [v.message for v in verdicts]
-    assert any("differ away from near-ties" in v.message and "indexer" in v.message for v in verdicts)
+    assert any("differ outside the near-tie band" in v.message and "indexer" in v.message for v in verdicts)
