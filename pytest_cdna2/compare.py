@@ -361,14 +361,14 @@ def flip_width(actual: list[int], expected: list[int], ranked: list[int], scores
     """The smallest tie margin whose near-tie band holds picks `actual` in place of `expected`: the best ranked
     score left out minus the worst picked (a top-k of `scores` moved by less than half of it each). inf when the
     picks are not all ranked, not as many, or repeated (-1 is "none", any other negative id a bug): no rounding
-    explains them. Only entries at the k-th/(k+1)-th
-    boundary trade places within a small width; evicting a clear winner needs a wide one."""
+    explains them. Only entries at the k-th/(k+1)-th boundary trade places within a small width; evicting a
+    clear winner needs a wide one."""
     picks, want = [i for i in actual if i >= 0], [i for i in expected if i >= 0]
-    known = {i: s for i, s in zip(ranked, scores, strict=True) if i >= 0}
-    if (len(picks) != len(want) or len(set(picks)) != len(picks) or min(actual, default=0) < -1
-            or not set(picks) <= known.keys()):  # a pick repeated, an odd id, a pick short or unranked
-        return math.inf
     chosen = set(picks)
+    known = {i: s for i, s in zip(ranked, scores, strict=True) if i >= 0}
+    if (len(picks) != len(want) or len(chosen) != len(picks) or min(actual, default=0) < -1
+            or not chosen <= known.keys()):  # a pick repeated, an odd id, a pick short or unranked
+        return math.inf
     left_out = [s for i, s in known.items() if i not in chosen]
     return max(left_out, default=-math.inf) - min((known[i] for i in chosen), default=math.inf)
 

@@ -374,16 +374,16 @@ class GoldenStore:
             for key in sorted(self.keys(file)):
                 name, _, rest = key.partition(".")
                 layer_s, kind, part = _SELECTION_KEY.fullmatch(rest).groups()
+                have = self.keys(file)
                 if part != "indices":
-                    picks = key.removesuffix(part) + "indices"
-                    if picks not in self.keys(file):
-                        raise GoldenError(f"{self.path / file}: {key} has no {picks}; {_BUILD_HINT}")
+                    owner = key.removesuffix(part) + "indices"
+                    if owner not in have:
+                        raise GoldenError(f"{self.path / file}: {key} has no {owner}; {_BUILD_HINT}")
                     continue
                 layer, base = int(layer_s), key.removesuffix(".indices")
-                if base + ".margin" not in self.keys(file):
+                if base + ".margin" not in have:
                     raise GoldenError(f"{self.path / file}: {base}.indices has no {base}.margin; {_BUILD_HINT}")
                 idx, margin = read(key), read(base + ".margin")
-                have = self.keys(file)
                 ranked = read(base + ".ranked") if base + ".ranked" in have else None
                 scores = read(base + ".scores") if base + ".scores" in have else None
                 rows = lengths[name]

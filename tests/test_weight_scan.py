@@ -52,16 +52,21 @@ def _edit(model, tmp_path, fn):
     return folder
 
 
-def test_a_nan_scale_is_named(model, tmp_path):
-    key = "layers.2.ffn.experts.3.w2.scale"
+NAN_KEY = "layers.2.ffn.experts.3.w2.scale"
 
+
+def _with_nan_scale(model, tmp_path):
     def nan(sd):
-        if key in sd:
-            sd[key].view(torch.uint8)[1, 0] = 255
+        if NAN_KEY in sd:
+            sd[NAN_KEY].view(torch.uint8)[1, 0] = 255
             return True
 
-    scan = scan_weights(_edit(model, tmp_path, nan), CPU)
-    assert scan.problems == {SCALES: [f"{key.removesuffix('.scale')}.weight: 1 NaN (0xFF) scales"]}
+    return _edit(model, tmp_path, nan)
+
+
+def test_a_nan_scale_is_named(model, tmp_path):
+    scan = scan_weights(_with_nan_scale(model, tmp_path), CPU)
+    assert scan.problems == {SCALES: [f"{NAN_KEY.removesuffix('.scale')}.weight: 1 NaN (0xFF) scales"]}
 
 
 @SCANS
@@ -182,12 +187,5 @@ def test_packed_tensors_the_engine_does_not_read_are_checked_too(model, tmp_path
 
 def test_the_reader_pass_stops_at_a_nan_scale_in_one_line(model, tmp_path):
     """In the official layout the reader refuses a NaN UE8M0 scale, as loading would: one line naming it."""
-    key = "layers.2.ffn.experts.3.w2.scale"
-
-    def nan(sd):
-        if key in sd:
-            sd[key].view(torch.uint8)[1, 0] = 255
-            return True
-
-    with pytest.raises(CheckpointError, match=f"key {key} has NaN \\(0xFF\\) UE8M0 scales"):
-        scan_checkpoint(_edit(model, tmp_path, nan), CPU)
+    with pytest.raises(CheckpointError, match=f"key {NAN_KEY} has NaN \\(0xFF\\) UE8M0 scales"):
+        scan_checkpoint(_with_nan_scale(model, tmp_path), CPU)
