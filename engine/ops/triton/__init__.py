@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
@@ -507,11 +508,12 @@ def _pair_rows(idx: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple:
+def moe_prepare(x: torch.Tensor, idx: torch.Tensor, n_experts: int, mma: bool | None = None) -> tuple:
     """Block tables for one routing (the part of moe_experts that is not a weight stream): (block rows bm, and
-    per block or pair the tables of `moe_blocks`, the tensor-core kernels' pair rows or None, k)."""
+    per block or pair the tables of `moe_blocks`, the tensor-core kernels' pair rows or None, k). `mma`: whether
+    the tensor-core kernels take these tokens (`_mma_use`); None: whenever the device allows."""
     t, topk = idx.shape
-    mma = _mma_device(x)
+    mma = _mma_device(x) if mma is None else mma
     if t <= MOE_PAIRS_MAX_T["mma" if mma else "stream"] and MOE_STREAM["on"]:
         # a few tokens: block j is pair j, token-major (no sort; the kernels read the expert ids as they are); on
         # the tensor-core path from MOE_MMA["TWO_MIN_T"] tokens, a table of program rows of two pairs of one expert
@@ -564,6 +566,8 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
 MOE_MMA = {"on": True, "SPLITS": ((1, 4, 2), (4, 4, 1), (8, 2, 1)), "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
+MOE_MMA_HEADROOM = 1 << 30  # bytes a repack leaves free (the step's activations, the transient interleaved copy)
+_MMA_NO_ROOM: set[torch.device] = set()
 
 
 def _mma_pdl(device: torch.device) -> bool:
@@ -591,6 +595,44 @@ def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
             and t * k * max(inter, d) // 16 <= LOCKS)
 
 
+def _mma_cached(ts: list[torch.Tensor]) -> tuple | None:
+    """The repack entry of these code and scale tensors (any version), or None."""
+    hit = _MMA_PACKED.get(tuple(id(t) for t in ts))
+    if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
+        return None  # an id reused by a new tensor
+    return hit
+
+
+def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
+    """Whether the stacks not yet repacked fit the device's free memory (the repack is a second copy of the experts:
+    V4-Flash's ~150 GB of them beside the checkpoint's would end a step in an out-of-memory error). No room, or none
+    repacked during a graph capture: the stream kernels take those tokens, with one warning per device."""
+    tensors = [[t for w in ws for t in (w.data, w.scale)] for ws in stacks]
+    need = sum(t.numel() * t.element_size() for ts in tensors if _mma_cached(ts) is None for t in ts)
+    if need == 0:
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False  # the eager step before the capture found no room (DecodeGraph runs one)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+        torch.cuda.memory_allocated(device)
+    if need + MOE_MMA_HEADROOM <= free:
+        return True
+    if device not in _MMA_NO_ROOM:
+        _MMA_NO_ROOM.add(device)
+        warnings.warn(f"{device}: the MXFP4 tensor-core path needs a repacked copy of each layer's experts "
+                      f"({need / 1e9:.2f} GB) and {free / 1e9:.2f} GB are free: layers without room run as with "
+                      "cdna2_engine.ops.triton.MOE_MMA['on'] = False (the same kernels and results, slower at "
+                      "2-64 tokens); set that to take them everywhere", stacklevel=2)
+    return False
+
+
+def _mma_use(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, k: int) -> bool:
+    """Whether moe_experts gives x's tokens to the tensor-core kernels: the device and shapes allow it
+    (`_mma_on`, up to MOE_PAIRS_MAX_T["mma"] tokens) and the experts' repacked copy fits (`_mma_room`)."""
+    return (x.shape[0] <= MOE_PAIRS_MAX_T["mma"] and _mma_on(x, w1.data.shape[1], k)
+            and _mma_room(x.device, (w1, w3), (w2,)))
+
+
 def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The repacked (words, scales, just repacked?) of one expert stack, or of two interleaved per 16 rows
     (w1 | w3), made at first use and kept while the weights live. Another code or scale tensor (a fault injected as
@@ -601,9 +643,7 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
     ts = [t for w in ws for t in (w.data, w.scale)]
     key = tuple(id(t) for t in ts)
     versions = tuple(t._version for t in ts)
-    hit = _MMA_PACKED.get(key)
-    if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
-        hit = None  # an id reused by a new tensor
+    hit = _mma_cached(ts)
     if hit is not None and hit[1] == versions:
         return hit[2], hit[3], False
     if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -662,11 +702,13 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     return c
 
 
-def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float) -> torch.Tensor:
+def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float,
+                mma: bool | None = None) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
-    tensor-core path (MOE_MMA) h is that kernel's [T*k, I / 128, 256] bf16 split form, which moe_down takes."""
+    tensor-core path (MOE_MMA) h is that kernel's [T*k, I / 128, 256] bf16 split form, which moe_down takes. `mma`:
+    the choice moe_prepare's plan was made for (`_mma_use`); None decides by device and shapes alone."""
     bm, pair_tok, _, blk_e, blk_lo, blk_hi, _, _ = plan
-    if bm == 1 and _mma_on(x, w1.data.shape[1], plan[-1]):
+    if bm == 1 and (_mma_on(x, w1.data.shape[1], plan[-1]) if mma is None else mma):
         return _mma_gate_up(x, w1, w3, plan, limit)
     inter, d = w1.data.shape[1], x.shape[1]
     launch = _Launch(x)
@@ -733,8 +775,9 @@ def moe_experts(
         return _ref.moe_experts(x, w1, w3, w2, idx, weights, limit, shared)
     t, d = x.shape
     x = x.contiguous()
-    plan = moe_prepare(x, idx, w1.data.shape[0])
-    h = moe_gate_up(x, w1, w3, plan, limit)
+    mma = _mma_use(x, w1, w3, w2, idx.shape[1])
+    plan = moe_prepare(x, idx, w1.data.shape[0], mma)
+    h = moe_gate_up(x, w1, w3, plan, limit, mma)
     if callable(shared):
         shared = shared()
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)
