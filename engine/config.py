@@ -103,9 +103,12 @@ class Config:
                 if isinstance(rs.get(key), bool) or not isinstance(rs.get(key), (int, float)) or rs[key] <= 0:
                     raise ConfigError(f"config: rope_scaling (yarn) needs a positive number {key}, got "
                                       f"{rs.get(key)!r}")
-            for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
                 if key in rs and (isinstance(rs[key], bool) or not isinstance(rs[key], (int, float))):
                     raise ConfigError(f"config: rope_scaling (yarn) {key} must be a number, got {rs[key]!r}")
+            if rs.get("attention_factor", 1.0) != 1.0:  # transformers multiplies cos/sin by it
+                raise ConfigError(f"config: rope_scaling (yarn) attention_factor {rs['attention_factor']!r} is not "
+                                  "supported: V4 applies no YaRN attention factor (DeepSeek's reference); use 1.0")
         q = self.quantization_config or {}
         method = q.get("quant_method", "fp8")
         if method != "fp8":
@@ -148,8 +151,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> Config:
         """A config from official or transformers names. Optional fields it lacks take the defaults above,
-        V4-Flash's values except rope_scaling (none) and num_hash_layers (0), as transformers' DeepseekV4Config
-        fills them in: a partial config.json loads, so it must name every field where the model differs."""
+        V4-Flash's values except rope_scaling (none), as transformers' DeepseekV4Config fills them in (the
+        dataclass's num_hash_layers 0 aside: a config.json without it or mlp_layer_types gets transformers' 3):
+        a partial config.json loads, so it must name every field where the model differs."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: not a JSON object: expected {{\"hidden_size\": ..., ...}}")
         d = dict(d)
@@ -165,20 +169,30 @@ class Config:
                 raise ConfigError(f"{source}: field {key} must be {what}, got {d[key]!r}")
         if d.get("expert_dtype") is not None and isinstance(d.get("quantization_config"), dict):
             d["quantization_config"] = {"expert_dtype": d["expert_dtype"], **d["quantization_config"]}  # V4's place
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: hidden_act {d['hidden_act']!r} is not supported: V4's experts use silu "
+                              "(SwiGLU)")
         if "num_hash_layers" not in d and "mlp_layer_types" in d:
             d["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
+        if "num_hash_layers" not in d and isinstance(d.get("num_hidden_layers"), int):
+            d["num_hash_layers"] = min(3, d["num_hidden_layers"])  # transformers' default_num_hash_layers
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
             d["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
         rp = d.get("rope_parameters") or {}
         for part in ("main", "compress"):
             if rp.get(part) is not None and not isinstance(rp[part], dict):
                 raise ConfigError(f"{source}: field rope_parameters.{part} must be an object, got {rp[part]!r}")
+        if not isinstance(rp.get("compress"), dict) and rp.get("rope_type") not in (None, "default"):
+            # flat: transformers reads it as compress's, at compress_rope_theta whatever rope_theta it holds
+            rp = {"compress": {k: v for k, v in rp.items() if k not in ("main", "rope_theta")}}
         if d.get("rope_scaling") is None and isinstance(rp.get("compress"), dict):
             comp = rp["compress"]
             if comp.get("rope_type") == "yarn":
                 d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
-            d.setdefault("compress_rope_theta", comp.get("rope_theta"))
-            d.setdefault("rope_theta", (rp.get("main") or {}).get("rope_theta"))
+            for key, theta in (("compress_rope_theta", comp.get("rope_theta")),
+                               ("rope_theta", (rp.get("main") or {}).get("rope_theta"))):
+                if theta is not None:
+                    d.setdefault(key, theta)
         names = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if _required(f)]
         missing = [n for n in required if n not in d]

@@ -1,6 +1,7 @@
 """The router's selection for every scoring function, recomputed by hand from the tapped MoE input: the
 scores (sqrtsoftplus, sigmoid, softmax; transformers 5.23 has no softmax, so this is its only check), the
-bias used for selection only, ties to the lower expert id, and the hash layers' tid2eid lookup."""
+bias used for selection only, ties to the lower expert id, the weights as DeepSeek's Gate makes them, and the hash
+layers' tid2eid lookup."""
 
 from __future__ import annotations
 
@@ -113,8 +114,9 @@ def test_taps_given_as_a_string(tmp_path, taps, want):
 @pytest.mark.parametrize("scoring", sorted(SCORES))
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_route_weights_leave_the_bias_out(scoring, backend):
-    """The bias picks the experts; their weights are the unbiased scores, normalized, times the scale (a bias
-    added into the weights still picked the same experts, so the selection test above could not see it)."""
+    """The bias picks the experts; their weights are the unbiased scores, normalized to sum 1 except for softmax
+    (its scores already sum to 1 over all experts: DeepSeek's Gate leaves them), times the scale (a bias added into
+    the weights still picked the same experts, so the selection test above could not see it)."""
     from cdna2_engine.ops import reference as ref
 
     ops = ref if backend == "reference" else pytest.importorskip("cdna2_engine.ops.triton")
@@ -128,4 +130,5 @@ def test_route_weights_leave_the_bias_out(scoring, backend):
     assert idx.tolist() == want_idx
     picked = scores.gather(-1, idx.long())
     # rtol 1e-6: the kernel's fp32 scores and 4-term sum, ~10x fp32 rounding (2^-24); float64 meets it by far
-    torch.testing.assert_close(w.double(), picked / picked.sum(-1, keepdim=True) * 2.5, rtol=1e-6, atol=0)
+    norm = picked if scoring == "softmax" else picked / picked.sum(-1, keepdim=True)
+    torch.testing.assert_close(w.double(), norm * 2.5, rtol=1e-6, atol=0)

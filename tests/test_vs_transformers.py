@@ -71,6 +71,34 @@ def test_float32_matches_transformers(case):
     assert same[clear].all(), f"{name}: argmax differs at {(~same & clear).nonzero()[:5].tolist()}"
 
 
+@pytest.mark.parametrize("variant", ["num_hash_layers left out", "flat yarn rope_parameters"])
+def test_config_json_variants_read_as_transformers_reads_them(tmp_path, variant):
+    """config.json forms the official one does not use, read alike by both (a review found the engine reading
+    them otherwise, 1.6 and 0.59 relative apart): without num_hash_layers transformers makes the first 3 layers
+    hash-routed; a flat rope_parameters holding YaRN is the compressed layers' YaRN. The engine reading the variant
+    must give the logits of the same checkpoint with the fields spelled out, and transformers' within 1e-5."""
+    import json
+
+    yarn = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    cfg = make_config("mixed", num_hash_layers=3, rope_scaling=yarn)
+    path = make_checkpoint(tmp_path, cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(8))
+    spelled = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
+    conf = json.loads((path / "config.json").read_text())
+    if variant == "num_hash_layers left out":
+        del conf["num_hash_layers"]
+    else:
+        del conf["rope_scaling"]
+        conf["rope_parameters"] = yarn
+    (path / "config.json").write_text(json.dumps(conf))
+    ours = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
+    assert torch.equal(ours, spelled)
+    with torch.no_grad():
+        ref = load_hf(path, torch.float64)(ids).logits
+    assert rel_per_position(ours, ref).max() <= 1e-5  # the float64 bound above
+
+
 def test_converted_hf_checkpoint_round_trips(tmp_path):
     """A transformers save_pretrained model -> convert_hf_checkpoint -> official layout: transformers
     (dequantize=True) and the engine read the converted folder to the same logits."""

@@ -308,7 +308,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
           fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE routing of router logits [T, E] (fp32 or fp64): scores by `scoring` (sqrtsoftplus, sigmoid or
     softmax), the experts = top-k of scores + bias (ties to the lower id, `topk`) unless `fixed` [T, k] gives
-    them (hash routing, forced selections), weights = their scores normalized to sum 1, times `scale`.
+    them (hash routing, forced selections), weights = their scores normalized to sum 1 (not for softmax, whose
+    scores already sum to 1 over all experts: DeepSeek's Gate), times `scale`.
     Returns (experts [T, k] int64, weights [T, k] in the logits' dtype, margin [T]: inf when fixed)."""
     scores = _router_scores(logits, scoring)
     if fixed is None:
@@ -317,7 +318,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
         idx = fixed.reshape(-1, k).long()
         margin = torch.full(idx.shape[:1], float("inf"), dtype=scores.dtype, device=scores.device)
     weights = scores.gather(-1, idx)
-    return idx, weights / (weights.sum(-1, keepdim=True) + 1e-20) * scale, margin
+    if scoring != "softmax":
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return idx, weights * scale, margin
 
 
 def moe_experts(

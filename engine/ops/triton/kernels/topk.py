@@ -105,8 +105,8 @@ def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stri
                  FIXED: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK_W: tl.constexpr):
     """One token's MoE routing in one launch (it was ten small ones): scores of the router logits (SCORING 0
     sqrt(softplus), 1 sigmoid, 2 softmax), the experts (top-K of score + bias, ties to the lower id, as
-    topk_kernel, one max per pick; FIXED: given, for hash routing), their scores normalized to sum 1 times
-    `scale`, the margin."""
+    topk_kernel, one max per pick; FIXED: given, for hash routing), their scores normalized to sum 1 (not
+    softmax's: DeepSeek's Gate) times `scale`, the margin."""
     row = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     ok = w < W
@@ -135,7 +135,9 @@ def route_kernel(l_ptr, bias_ptr, fixed_ptr, idx_ptr, w_ptr, margin_ptr, W, stri
             kth = _key_value(best)
         picked = tl.where(kk == t, i, picked)
     wk = tl.sum(tl.where((w[None, :] == picked[:, None]) & (kk < K)[:, None], sc[None, :], 0.0), axis=1)
-    wk = wk / (tl.sum(wk, axis=0) + 1e-20) * scale
+    if SCORING != 2:
+        wk = wk / (tl.sum(wk, axis=0) + 1e-20)
+    wk = wk * scale
     tl.store(idx_ptr + row * K + kk, picked.to(tl.int64), mask=kk < K)
     tl.store(w_ptr + row * K + kk, wk, mask=kk < K)
     if HAS_NEXT and not FIXED:
