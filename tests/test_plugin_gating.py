@@ -93,6 +93,40 @@ def test_perf_alone_is_not_gated_by_nothing(pytester):
     assert "PERF RAN" not in r.stdout.str()
 
 
+@pytest.mark.parametrize("disabled", [False, True])
+def test_suite_perf_tests_pass_with_benchmarks_disabled(pytester, disabled):
+    """suite/test_perf.py under pytest-benchmark's --benchmark-disable (often in addopts): each runs once, untimed,
+    and passes (its reading of the median crashed both on a green suite). Timed, each records tokens per second."""
+    tiers = TESTS.format(ok2=True).replace('@pytest.mark.perf\ndef test_bench():\n    print("PERF RAN")\n', "")
+    pytester.makepyfile(test_tiers=tiers, test_perf=(Path(__file__).parents[1] / "suite" / "test_perf.py").read_text())
+    pytester.makeconftest("""
+        import pytest, torch, types
+
+        class Engine:
+            config, device, calls = types.SimpleNamespace(vocab_size=11), torch.device("cpu"), []
+            def generate(self, ids, n):
+                self.calls.append(("generate", ids.shape, n))
+            def forward(self, ids):
+                self.calls.append(("forward", ids.shape))
+
+        @pytest.fixture(scope="session")
+        def cdna2_engine():
+            return Engine()
+
+        def pytest_sessionfinish(session):
+            print("CALLS", len(Engine.calls))
+    """)
+    args = ["-p", "no:hypothesispytest", "--cdna2-device=cpu", "--cdna2-perf-on-cpu", "-s", "--benchmark-json=b.json"]
+    r = pytester.runpytest_inprocess(*args, *(["--benchmark-disable"] if disabled else []))
+    r.assert_outcomes(passed=9)
+    r.stdout.fnmatch_lines(["*CALLS 2" if disabled else "*CALLS 22"])  # once each, or 1 warm-up + 10 rounds each
+    if not disabled:
+        import json
+
+        info = [b["extra_info"] for b in json.loads((pytester.path / "b.json").read_text())["benchmarks"]]
+        assert sorted(k for i in info for k in i) == ["tokens_per_s", "tokens_per_s_incl_prefill"]
+
+
 def test_perf_skipped_on_cpu(pytester):
     pytester.makepyfile(TESTS.format(ok2=True))
     r = run(pytester, "--cdna2-device=cpu", "-rs")
