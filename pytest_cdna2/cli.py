@@ -1,7 +1,8 @@
 """``cdna2`` console script: convert checkpoints, build and verify goldens, bisect a failure, list devices.
 
-Exit codes: 0 success; 1 a check ran and failed (``goldens verify`` found a bad file); 2 bad input (missing
-folders, bad arguments, an existing store without ``--regen``), always with one ``cdna2: error:`` line.
+Exit codes: 0 success; 1 a check ran and failed (``goldens verify`` found a bad file, ``bisect`` a wrong output); 2 bad
+input (missing folders, an empty path, bad arguments, an existing store without ``--regen``, a user engine that raises
+or is not on ``--device``), always with one ``cdna2: error:`` line.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pytest_cdna2 import devices, goldens
@@ -21,6 +22,17 @@ class _Fail(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _path(option: str) -> Callable[[str], str]:
+    """An argparse type refusing an empty path, which would quietly mean the current folder (as the pytest options
+    refuse it): one ``cdna2: error:`` line naming ``option``."""
+    def check(text: str) -> str:
+        if not text.strip():
+            raise _Fail(f"{option}='': empty: expected a path (write . for the current folder)")
+        return text
+
+    return check
 
 
 def _existing_dir(path: str, what: str) -> Path:
@@ -149,28 +161,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("convert", help="convert a transformers V4 checkpoint to the official layout")
-    c.add_argument("--hf", required=True, metavar="SRC", help="transformers save_pretrained folder")
-    c.add_argument("--out", required=True, metavar="DST", help="new folder for the official layout")
+    c.add_argument("--hf", required=True, metavar="SRC", type=_path("--hf"), help="transformers save_pretrained folder")
+    c.add_argument("--out", required=True, metavar="DST", type=_path("--out"),
+                   help="new folder for the official layout")
     c.set_defaults(func=cmd_convert)
 
     bi = sub.add_parser("bisect", help="name where an engine first drifts from the goldens")
-    bi.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
-    bi.add_argument("--goldens", required=True, metavar="DIR", help="golden store of that model")
+    bi.add_argument("--model", required=True, metavar="DIR", type=_path("--model"),
+                    help="checkpoint folder (official layout)")
+    bi.add_argument("--goldens", required=True, metavar="DIR", type=_path("--goldens"),
+                    help="golden store of that model")
     bi.add_argument("--backend", default="reference", choices=("reference", "triton"))
     bi.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     bi.add_argument("--device", default="cpu",
                     help="one device: cpu, N or cuda:N as --cdna2-device, or another torch device name")
     bi.add_argument("--engine", default="bundled", help="bundled or module:factory")
     bi.add_argument("--prompt", action="append", metavar="NAME", help="only these golden prompts (repeatable)")
-    bi.add_argument("--tolerance", metavar="FILE", help="tolerance profile TOML, as --cdna2-tolerance")
+    bi.add_argument("--tolerance", metavar="FILE", type=_path("--tolerance"),
+                    help="tolerance profile TOML, as --cdna2-tolerance")
     bi.set_defaults(func=cmd_bisect)
 
     g = sub.add_parser("goldens", help="build or verify a golden store")
     gsub = g.add_subparsers(dest="goldens_command", required=True, metavar="ACTION")
     b = gsub.add_parser("build", help="compute goldens with the reference engine (or --engine)")
-    b.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (official layout)")
-    b.add_argument("--out", required=True, metavar="DIR", help="golden store folder to create")
-    b.add_argument("--prompts", metavar="FILE",
+    b.add_argument("--model", required=True, metavar="DIR", type=_path("--model"),
+                   help="checkpoint folder (official layout)")
+    b.add_argument("--out", required=True, metavar="DIR", type=_path("--out"), help="golden store folder to create")
+    b.add_argument("--prompts", metavar="FILE", type=_path("--prompts"),
                    help="JSON list of strings or of token-id lists, or one prompt per line")
     b.add_argument("--steps", default=[32], type=_steps, metavar="N[,N...]",
                    help="greedy steps per prompt (default 32); a list gives the first prompts theirs, the last repeats")
@@ -188,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_goldens_build)
     v = gsub.add_parser("verify", help="check every checksum of a golden store")
-    v.add_argument("dir", metavar="DIR")
-    v.add_argument("--model", metavar="DIR", help="also check the store was built for this checkpoint")
+    v.add_argument("dir", metavar="DIR", type=_path("DIR"))
+    v.add_argument("--model", metavar="DIR", type=_path("--model"),
+                   help="also check the store was built for this checkpoint")
     v.set_defaults(func=cmd_goldens_verify)
 
     i = sub.add_parser("info", help="list devices (name, arch, wave size, memory, runtime)")
@@ -199,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cdna2`` script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)  # an empty path raises _Fail here
         return int(args.func(args))
     except _Fail as e:
         print(f"cdna2: error: {e}", file=sys.stderr)
@@ -211,6 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a path that is a file, a folder that cannot be made: one line naming it
         where = f"{e.filename}: " if e.filename else ""
         print(f"cdna2: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a user engine's own error, loading or running it: its type and message, no traceback
+        engine = getattr(args, "engine", "bundled")
+        if engine == "bundled":  # the bundled engine's bugs keep their traceback
+            raise
+        message = " ".join(str(e).split())
+        print(f"cdna2: error: --engine={engine} raised {type(e).__name__}{': ' if message else ''}{message}",
+              file=sys.stderr)
         return 2
 
 

@@ -70,12 +70,37 @@ def takes_dtype(factory: Callable[..., Any]) -> bool:
     return "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def check_engine(model: Any, what: str, also: tuple[str, ...] = ()) -> None:
-    """ValueError naming what `model` (loaded by `what`) lacks of the Model API and `also`."""
+def _has_device(dev: Any) -> bool:
+    """Whether this host has torch device `dev` (a device type torch cannot ask about counts as there)."""
+    import torch
+
+    if dev.type == "cuda":  # also ROCm
+        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    return bool(available()) if callable(available) else True
+
+
+def check_engine(model: Any, what: str, also: tuple[str, ...] = (), device: str | None = None) -> None:
+    """ValueError naming what `model` (loaded by `what`) lacks of the Model API and `also`, or a `model.device`
+    this host does not have or other than `device`, the one the factory was given."""
+    import torch
+
     missing = engine_missing(model, also)
     if missing:
         raise ValueError(f"{what} returned {type(model).__name__}, not a model: it has no {', '.join(missing)} (the "
                          "README's Model API; attributes, not dict keys)")
+    try:
+        dev = torch.device(model.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{what} returned an engine whose device {model.device!r} is not a torch device") from None
+    asked = f" (asked for {device})" if device is not None else ""
+    if not _has_device(dev):
+        raise ValueError(f"{what} returned an engine on {dev}{asked}, which this host does not have: load it on the "
+                         "device the factory is given")
+    want = torch.device(device) if device is not None else dev
+    if dev.type != want.type or (None not in (dev.index, want.index) and dev.index != want.index):
+        raise ValueError(f"{what} returned an engine on {dev}, not on {want}, the device the factory is given: load "
+                         "it there")
 
 
 def load_engine(spec: str, path: Any, *, device: str, backend: str, dtype: str, option: str = "--engine",
@@ -85,5 +110,5 @@ def load_engine(spec: str, path: Any, *, device: str, backend: str, dtype: str, 
     factory = resolve_factory(spec, option=option)
     kw = {"dtype": dtype} if takes_dtype(factory) else {}
     model = factory(str(path), device=device, backend=backend, **kw, **extra)
-    check_engine(model, f"{option}={spec}", also)
+    check_engine(model, f"{option}={spec}", also, device=device)
     return model

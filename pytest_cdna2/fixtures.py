@@ -181,7 +181,7 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
         request.session.shouldstop = f"cdna2: loading {s.model} ({s.engine}) failed: {type(e).__name__}: {e}"
         raise
     try:
-        check_engine(model, f"--cdna2-engine={s.engine}")
+        check_engine(model, f"--cdna2-engine={s.engine}", device=s.device)
     except ValueError as e:
         _stop(request, f"cdna2: {e}")
     return model

@@ -675,10 +675,14 @@ class GoldenWriter:
     """
 
     def __init__(self, out_dir: str | Path, *, regen: bool = False) -> None:
-        self.out = Path(out_dir)
+        self.out = Path(out_dir).resolve()  # `.` too: the temporary folder goes beside it, never inside
         self.regen = regen
         if self.out.exists() and not self.out.is_dir():
             raise GoldenError(f"{self.out} exists and is not a folder")
+        base = next((p for p in self.out.parents if p.exists()), self.out)  # where it and its temporary folder go
+        why = "not a folder" if not base.is_dir() else "" if os.access(base, os.W_OK | os.X_OK) else "not writable"
+        if why:  # before the slow part
+            raise GoldenError(f"{self.out} cannot be written: {base} is {why}; pass another folder")
         if self.out.is_dir() and any(self.out.iterdir()) and not (self.out / MANIFEST).is_file():
             raise GoldenError(  # regen replaces the whole folder: never one that holds something else
                 f"{self.out} is not empty and has no {MANIFEST}, so it is not a golden store; refusing to "
@@ -936,5 +940,5 @@ def build_goldens(
             versions=_versions(model),
             prompts=entries,
         )
-    return GoldenStore.open(out_dir, expected_model_sha256=sha, config=cfg)
+    return GoldenStore.open(writer.out, expected_model_sha256=sha, config=cfg)  # `.` may be a new folder now
 

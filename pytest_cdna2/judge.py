@@ -25,7 +25,7 @@ from pytest_cdna2.compare import LogitMetrics, assert_logits_close, logit_metric
 class Verdict:
     ok: bool
     message: str  # the failure, one line ("" when ok)
-    metrics: LogitMetrics  # of the logits that were judged
+    metrics: LogitMetrics | None  # of the logits that were judged (None: another shape, not comparable)
     near_tie_flips: int  # > 0: judged with the golden's selections forced
 
 
@@ -48,7 +48,11 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
     try:
         return Verdict(True, "", assert_logits_close(out, expected, limits=limits, what=what), 0)
     except AssertionError as e:
-        failure, metrics = str(e), logit_metrics(out, expected)
+        failure = str(e)
+    try:
+        metrics = logit_metrics(out, expected)
+    except ValueError as e:  # logits of another shape (a vocabulary entry short): a wrong output, a failed check
+        return Verdict(False, f"{what}: {e}", None, 0)
     golden = store.selections(name)
     if not golden or not has_trace(engine):
         return Verdict(False, failure, metrics, 0)
@@ -68,7 +72,10 @@ def judge_prompt(engine: Any, store: Any, name: str, limits: Any) -> Verdict:
         return Verdict(False, failure, metrics, 0)
     n = len(diff.near_tie)
     forced = tr.logits[0].cpu()
-    metrics = logit_metrics(forced, expected)
+    try:
+        metrics = logit_metrics(forced, expected)
+    except ValueError as e:
+        return Verdict(False, f"{what} with the golden's selections forced: {e}", None, 0)
     try:
         assert_logits_close(forced, expected, limits=limits, what=f"{what} with the golden's selections forced "
                                                                    f"({n} near-tie flips)")

@@ -151,3 +151,69 @@ def test_cli_bisect_refuses_an_engine_without_the_model_api(small, capsys):
     assert main(["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "test_bisect:no_config"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "it has no config.vocab_size, config.num_hidden_layers" in err, err
+
+
+def raises_loading(path, *, device="cpu", backend="reference", dtype=None):
+    raise RuntimeError("no such checkpoint format")
+
+
+class _Broken:
+    """The bundled engine whose forward and generate raise, or (short) whose logits lack the last vocabulary entry."""
+
+    def __init__(self, inner, short):
+        self.inner, self.short = inner, short
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, ids):
+        if self.short:
+            return self.inner.forward(ids)[..., :-1]
+        raise RuntimeError("kernel launch failed")
+
+    def generate(self, ids, n, selections=None):
+        raise RuntimeError("kernel launch failed")
+
+
+def raises_running(path, *, device="cpu", backend="reference", dtype=None, short=False):
+    return _Broken(cdna2_engine.load_model(path, device=device, backend=backend, dtype=dtype), short)
+
+
+def short_vocab(path, *, device="cpu", backend="reference", dtype=None):
+    return raises_running(path, device=device, backend=backend, dtype=dtype, short=True)
+
+
+def on_gpu0(path, *, device="cpu", backend="reference", dtype=None):
+    model = cdna2_engine.load_model(path, device=device, backend=backend, dtype=dtype)
+    model.device = torch.device("cuda:0")  # whatever it was given
+    return model
+
+
+@pytest.mark.parametrize("engine, message", [
+    ("raises_loading", "raised RuntimeError: no such checkpoint format"),
+    ("raises_running", "raised RuntimeError: kernel launch failed"),
+    ("on_gpu0", "returned an engine on cuda:0 (asked for cpu), which this host does not have: load it on the device "
+                "the factory is given"),
+])
+@pytest.mark.parametrize("command", ["bisect", "build"])
+def test_cli_a_user_engine_that_raises_or_sits_elsewhere_is_one_line(small, capsys, tmp_path, monkeypatch, engine,
+                                                                     message, command):
+    """Bad input, not a traceback: the engine named, the exception's type and message (a device the host lacks
+    crashed in torch: 'Torch not compiled with CUDA enabled'); nothing written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, goldens = small
+    argv = (["bisect", "--goldens", str(goldens)] if command == "bisect" else
+            ["goldens", "build", "--out", str(tmp_path / "g"), "--steps", "1", "--quiet"])
+    assert main(argv + ["--model", str(model), "--engine", f"test_bisect:{engine}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"cdna2: error: --engine=test_bisect:{engine} {message}\n", err
+    assert not (tmp_path / "g").exists()
+
+
+def test_cli_bisect_logits_of_another_shape_fail_the_check(small, capsys):
+    """A wrong output (one vocabulary entry short) is a failed check naming the prompt, exit 1, not bad input."""
+    model, goldens = small
+    argv = ["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "test_bisect:short_vocab"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "p00: FAIL prompt p00: shapes differ: actual (1, 20, 255) vs expected (1, 20, 256)", out

@@ -243,3 +243,54 @@ def test_goldens_build_refuses_steps_past_the_model_positions_before_writing(tmp
     assert "prompt p00: " in err and " tokens + 99999 steps exceed the model's max_position_embeddings 4096: lower " \
         "the steps (--steps)" in err
     assert not out.exists()
+
+
+def test_goldens_build_into_the_current_folder(fake_engine, tmp_path, monkeypatch, capsys):
+    """`--out .` is the folder it names, its temporary folder beside it (it was made inside, and a build of minutes
+    ended refusing the folder it had just filled); a folder that cannot take the store is refused before the engine
+    loads."""
+    import test_plugin_fake_engine as fake
+
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    argv = ["goldens", "build", "--model", str(fake_engine), "--out", ".", "--steps", "2", "--quiet"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"wrote 16 prompts x 2 steps to {here} (")
+    assert GoldenStore.open(here).steps == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["here", "model"]
+    monkeypatch.chdir(here)  # the empty folder was swapped for the store, as any --out is: a shell there does `cd .`
+    assert main(argv + ["--regen"]) == 0  # the current folder's store replaced, nothing left beside it
+    assert GoldenStore.open(here).steps == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["here", "model"]
+    capsys.readouterr()
+
+    before = len(fake.LOADS)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "other")
+    assert main(argv) == 2
+    assert f"{tmp_path / 'other'} is not empty and has no manifest.json" in _err(capsys)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(argv[:5] + [str(a_file / "sub")]) == 2
+    assert f"{a_file / 'sub'} cannot be written: {a_file} is not a folder; pass another folder" in _err(capsys)
+    assert len(fake.LOADS) == before and (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["goldens", "verify", ""], "DIR"),
+    (["goldens", "verify", "G", "--model", ""], "--model"),
+    (["goldens", "build", "--model", "", "--out", "o"], "--model"),
+    (["goldens", "build", "--model", "m", "--out", ""], "--out"),
+    (["goldens", "build", "--model", "m", "--out", "o", "--prompts", ""], "--prompts"),
+    (["bisect", "--model", "", "--goldens", "G"], "--model"),
+    (["bisect", "--model", "m", "--goldens", ""], "--goldens"),
+    (["bisect", "--model", "m", "--goldens", "G", "--tolerance", ""], "--tolerance"),
+    (["convert", "--hf", "", "--out", "o"], "--hf"),
+    (["convert", "--hf", "h", "--out", ""], "--out"),
+])
+def test_an_empty_path_is_refused_not_the_current_folder(argv, option, tmp_path, monkeypatch, capsys):
+    """As the pytest options: '' never quietly means `.` (a golden store, a checkpoint there, or a default)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert f"cdna2: error: {option}='': empty: expected a path (write . for the current folder)" in _err(capsys)
+    assert list(tmp_path.iterdir()) == []

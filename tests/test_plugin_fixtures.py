@@ -6,6 +6,7 @@ import json
 
 import pytest
 import test_plugin_fake_engine as fake
+import torch
 from test_plugin_fake_engine import make_model, write_fake_model
 from test_plugin_fake_engine import run_inprocess as run
 
@@ -325,3 +326,47 @@ def test_engine_members_must_be_there_and_callable():
     assert engine_missing(NS(**{**vars(good), "generate": 5, "trace": None}), also=("trace",)) == ["generate", "trace"]
     assert engine_missing(NS(**{**vars(good), "config": {"vocab_size": 8, "num_hidden_layers": 2}})) == \
         ["config.vocab_size", "config.num_hidden_layers"]  # the tiers read attributes
+
+
+def on_gpu0(path: str, *, device: str = "cpu", backend: str = "reference", dtype=None):
+    """A user engine that puts itself on cuda:0 whatever device it is given."""
+    model = make_model(path, device=device, backend=backend)
+    model.device = torch.device("cuda:0")
+    return model
+
+
+def test_an_engine_on_a_device_other_than_asked_or_absent_is_refused(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from pytest_cdna2.engines import check_engine
+
+    config = NS(vocab_size=8, num_hidden_layers=2)
+    engine = NS(forward=len, generate=len, device=torch.device("cuda:1"), config=config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_engine(engine, "e", device="cuda:1")
+    check_engine(engine, "e", device="cuda")  # torch's current GPU: either index
+    check_engine(NS(**{**vars(engine), "device": "cpu"}), "e", device="cpu")
+    with pytest.raises(ValueError, match=r"^e returned an engine on cuda:1, not on cuda:0, the device the factory is "
+                                         r"given: load it there$"):
+        check_engine(engine, "e", device="cuda:0")
+    with pytest.raises(ValueError, match=r"^e returned an engine on cuda:1, not on cpu"):
+        check_engine(engine, "e", device="cpu")
+    with pytest.raises(ValueError, match=r"^e returned an engine on cuda:2 \(asked for cuda:0\), which this host does "
+                                         r"not have: load it on the device the factory is given$"):
+        check_engine(NS(**{**vars(engine), "device": "cuda:2"}), "e", device="cuda:0")
+    with pytest.raises(ValueError, match=r"^e returned an engine whose device 'gpu0' is not a torch device$"):
+        check_engine(NS(**{**vars(engine), "device": "gpu0"}), "e")
+
+
+def test_an_engine_on_a_gpu_the_host_lacks_stops_the_run_in_one_line(pytester, monkeypatch):
+    """It crashed in every test with torch's 'Torch not compiled with CUDA enabled'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    write_fake_model(pytester.path / "m", seed=1)
+    pytester.makepyfile("import torch\ndef test_x(cdna2_engine):\n    torch.zeros(1, device=cdna2_engine.device)\n")
+    r = run(pytester, "--cdna2-engine=test_plugin_fixtures:on_gpu0", "--cdna2-model=m")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: --cdna2-engine=test_plugin_fixtures:on_gpu0 returned an engine on "
+                            "cuda:0 (asked for cpu), which this host does not have: load it on the device the factory "
+                            "is given*"])
+    assert "Traceback" not in r.stdout.str()
