@@ -91,8 +91,10 @@ class Metric:
         """``kl_max 2.100e-02 (limit <= 1.000e-03, FAIL) in <nodeid> [what]``."""
         verdict = "ok" if self.ok else "FAIL"
         where = f" [{self.what}]" if self.what else ""
+        limit = _short(self.limit)
+        digits = len(limit.split("e")[0].split(".")[-1])  # the value to the limit's digits: how close it is shows
         return (
-            f"{self.metric} {self.value:.3e} (limit {self.op} {_short(self.limit)}, {verdict}) "
+            f"{self.metric} {self.value:.{digits}e} (limit {self.op} {limit}, {verdict}) "
             f"in {self.nodeid}{where}"
         )
 

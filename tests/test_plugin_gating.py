@@ -388,11 +388,14 @@ def test_metrics_are_attached_to_allure_as_csv(pytester):
 
 def test_summary_limits_keep_the_digits_that_matter():
     """cosine_min's limit 0.999999999 printed as 1.000e+00 read as "cosine must be 1"; limits print in as few
-    digits (4 at least) as tell them apart, values as before."""
+    digits (4 at least) as tell them apart, and values to the same digits (1.000e+00 against 9.99999999e-01 hid how
+    close a cosine was to its limit)."""
     from pytest_cdna2.report import Metric
 
-    line = Metric("t::x", "cosine_min", 0.9999999999, 0.999999999, ">=", "").line()
-    assert line.startswith("cosine_min 1.000e+00 (limit >= 9.99999999e-01, ok)")
+    line = Metric("t::x", "cosine_min", 0.9999999992, 0.999999999, ">=", "").line()
+    assert line.startswith("cosine_min 9.99999999e-01 (limit >= 9.99999999e-01, ok)")
+    line = Metric("t::x", "cosine_min", 0.99999999, 0.999999999, ">=", "").line()
+    assert line.startswith("cosine_min 9.99999990e-01 (limit >= 9.99999999e-01, FAIL)")
     line = Metric("t::x", "kl_max", 2.1e-2, 1e-3, "<=", "").line()
     assert line.startswith("kl_max 2.100e-02 (limit <= 1.000e-03, FAIL)")
 
