@@ -196,6 +196,10 @@ class GoldenSelection(NamedTuple):
     scores: torch.Tensor | None = None
 
 
+_LOGITS_RULE = ("a float64 run makes float64 logits, any other run one dtype at least as precise as its own, not "
+                "float64 (a bf16 run float32, say), in both files")
+
+
 def _logits_hold(logits: torch.Tensor, glog: torch.Tensor, dtype: str) -> bool:
     """Both logit tensors of one floating dtype, float64 exactly for a float64 run (whose greedy check is the
     tightest) and otherwise at least as precise as the run (a bf16 run's engine returns float32 logits): logits
@@ -306,8 +310,8 @@ class GoldenStore:
                 problem = (f"logits of shape {tuple(logits.shape)} and {tuple(glog.shape)}, expected "
                            f"{(ids.numel(), v)} and {(toks.numel(), v)}")
             elif not _logits_hold(logits, glog, dtype):
-                problem = (f"logits of dtype {logits.dtype} and {glog.dtype} do not come from the manifest's {dtype} "
-                           "run (float64 runs make float64 logits, others float32 or wider)")
+                problem = (f"logits of dtype {logits.dtype} and {glog.dtype} from the manifest's {dtype} run: "
+                           f"{_LOGITS_RULE}")
             elif not (torch.isfinite(logits).all() and torch.isfinite(glog).all()):
                 problem = "non-finite logits"
             else:
@@ -902,6 +906,10 @@ def build_goldens(
                 hint = " (float64's limit is 1e-9: an engine that keeps float32 parts in a float64 run fails it, so " \
                     "build with --dtype float32)" if other and "float64" in str(getattr(model, "dtype", dtype)) else ""
                 raise GoldenError(f"prompt {name}: {problem}; fix the engine before building goldens from it{hint}")
+            run = str(getattr(model, "dtype", dtype)).removeprefix("torch.")
+            if not _logits_hold(tr.logits[0], gen.logits[0], run):  # the store would be refused at every load
+                raise GoldenError(f"prompt {name}: the engine returned logits of dtype {tr.logits.dtype} (trace) and "
+                                  f"{gen.logits.dtype} (generate) from a {run} run: {_LOGITS_RULE}")
             teacher[f"{name}.input_ids"] = seq
             teacher[f"{name}.logits"] = tr.logits[0]
             greedy[f"{name}.tokens"] = toks

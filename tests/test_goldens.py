@@ -256,11 +256,11 @@ def test_goldens_without_a_model_hash_are_refused_for_a_known_model(tmp_path):
     ({"teacher.input_ids": torch.tensor([0, 1, 1])}, "the teacher input is not the prompt followed by the greedy"),
     ({"teacher.logits": torch.ones(2, 4)}, r"logits of shape \(2, 4\) and \(1, 4\), expected \(3, 4\)"),
     ({"greedy.logits": torch.tensor([[1.0, float("nan"), 1.0, 1.0]], dtype=torch.float64)}, "non-finite logits"),
-    ({"logits_dtype": torch.float16}, r"logits of dtype torch.float16 and torch.float16 do not come from the manifest's"
+    ({"logits_dtype": torch.float16}, r"logits of dtype torch.float16 and torch.float16 from the manifest's"
                                       " float64 run"),
-    ({"logits_dtype": torch.float32}, r"logits of dtype torch.float32 and torch.float32 do not come from the manifest's"
+    ({"logits_dtype": torch.float32}, r"logits of dtype torch.float32 and torch.float32 from the manifest's"
                                       " float64 run"),
-    ({"dtype": "bfloat16"}, r"logits of dtype torch.float64 and torch.float64 do not come from the manifest's"
+    ({"dtype": "bfloat16"}, r"logits of dtype torch.float64 and torch.float64 from the manifest's"
                             " bfloat16 run"),
     ({"greedy.logits": torch.tensor([[1.0, 1.0, 1.5, 1.0]], dtype=torch.float64)},
      r"greedy logits differ from the teacher-forced logits by 0.5 at step 0 \(limit 1e-09\): the engine's "
@@ -486,6 +486,21 @@ def test_a_build_whose_decode_disagrees_names_the_float64_limit(tmp_path):
     model.generate = float32_ish
     with pytest.raises(GoldenError, match=r"prompt p00: greedy logits differ .* fix the engine before building "
                                           r"goldens from it \(float64's limit is 1e-9: .* --dtype float32\)"):
+        build_goldens(None, tmp_path / "g", [b"hello"], 3, model=model, progress=False)
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_build_refuses_logits_its_store_would_refuse(tmp_path):
+    """float64 logits from an engine run in float32 make a store that every load refuses (a relabelled float64
+    store looks the same): the build stops at the first prompt, writing nothing, and says what the rule is."""
+    from test_plugin_fake_engine import make_model, write_fake_model
+
+    model = make_model(str(write_fake_model(tmp_path / "m", seed=1)))
+    assert model.trace(torch.tensor([[1, 2]])).logits.dtype == torch.float64
+    model.dtype = torch.float32
+    with pytest.raises(GoldenError, match=r"prompt p00: the engine returned logits of dtype torch.float64 \(trace\) "
+                                          r"and torch.float64 \(generate\) from a float32 run: a float64 run makes "
+                                          r"float64 logits, any other run .* not float64"):
         build_goldens(None, tmp_path / "g", [b"hello"], 3, model=model, progress=False)
     assert not (tmp_path / "g").exists()
 
