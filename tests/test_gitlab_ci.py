@@ -58,3 +58,15 @@ def test_the_tier_jobs_write_junit_and_the_report_job_collects_them():
     assert report.get("when") == "always"
     earlier = [n for n, j in jobs.items() if j["stage"] != "report"]
     assert set(report.get("dependencies", earlier)) >= {"weight", "kernel", "token", "perf"}
+
+
+def test_the_gate_installs_beside_the_images_torch_and_pins_its_lint():
+    """The tier jobs keep the ROCm image's torch and Triton (README: `.[suite]`/`.[dev]` could add PyPI's triton
+    beside an older pytorch-triton-rocm) and install what the suite and the reports need; lint runs the ruff
+    the dev extra pins, so a new ruff release cannot fail the gate on unchanged code."""
+    ci, jobs = _pipeline()
+    install = " ".join(ci["default"]["before_script"])
+    assert "pip install -e . ml-dtypes pytest-benchmark allure-pytest" in install and "[" not in install
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        pin = re.search(r'"(ruff==[\d.]+)"', f.read()).group(1)
+    assert " ".join(jobs["lint"]["before_script"]) == f"pip install {pin}"
