@@ -109,6 +109,9 @@ def _raw(config: pytest.Config, name: str) -> tuple[object, str]:
         raise pytest.UsageError(f"ini key {dest}: {e}; {hint}") from None
     if ini is None or ini is False:
         return None, "default"
+    if _KIND[name] != "bool" and not isinstance(ini, str):  # a TOML list or number (pytest warns and passes it)
+        raise pytest.UsageError(f'ini key {dest} in {config.inipath}: expected a string: {dest} = "VALUE", got '
+                                f"{ini!r}")
     return (ini.strip() if isinstance(ini, str) else ini), "ini"  # `-o "key= value"` keeps the space
 
 

@@ -210,6 +210,17 @@ def test_a_toml_number_for_a_string_key_says_to_quote_it(pytester):
     assert "true or false" not in r.stderr.str()
 
 
+def test_a_toml_list_for_a_string_key_says_to_quote_it(pytester):
+    """[tool.pytest.ini_options] hands a TOML list to a string key (pytest only warns): it was read as the path
+    "['a', 'b']"."""
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ncdna2_model = ["a", "b"]\n')
+    pytester.makepyfile("def test_x(): pass")
+    r = pytester.runpytest_inprocess(*FAST, "-W", "ignore::pytest.PytestRemovedIn10Warning")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: ini key cdna2_model in *pyproject.toml: expected a string: "
+                            "cdna2_model = \"VALUE\", got [[]'a', 'b'[]]"])
+
+
 def test_help_shows_the_readme_forms(pytester):
     """The metavars are README's (DIR, FILE, the choices), and --cdna2-regen-goldens says it needs --cdna2-goldens."""
     out = " ".join(run(pytester, "--help").stdout.str().split())
