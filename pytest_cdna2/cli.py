@@ -88,7 +88,7 @@ def cmd_goldens_build(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     files = ", ".join(store.manifest["files"])
-    print(f"wrote {len(store.prompts)} prompts x {store.steps} steps to {store.path} ({files})")
+    print(f"wrote {len(store.prompts)} prompts x {store.steps_text} steps to {store.path} ({files})")
     return 0
 
 

@@ -77,6 +77,15 @@ def _stop(request: pytest.FixtureRequest, message: str) -> NoReturn:
     raise pytest.fail.Exception(message, pytrace=False) from None  # called in `except`: no chained repeat
 
 
+def _as_text(entry: dict) -> bytes | list[int]:
+    """An old manifest's prompt as build_goldens takes it: its text where that encodes to its tokens (byte-level
+    ids), else the token ids (a tokenizer made them; the text would be lost either way)."""
+    tokens, text = list(entry["tokens"]), entry.get("text")
+    if isinstance(text, str) and text and list(text.encode("utf-8")) == tokens:
+        return text.encode("utf-8")
+    return tokens
+
+
 def regenerate_goldens(settings: Settings) -> GoldenStore:
     """Rebuild the goldens with the float64 reference on the CPU, keeping the old prompts and steps."""
     prompts: list[bytes | list[int]] = list(DEFAULT_PROMPTS)
@@ -86,7 +95,8 @@ def regenerate_goldens(settings: Settings) -> GoldenStore:
     if manifest.exists():  # unverified on purpose: only its prompts and steps are reused
         try:
             old = json.loads(manifest.read_text(encoding="utf-8"))
-            prompts = [list(p["tokens"]) for p in old["prompts"]] or prompts  # token ids: any vocabulary
+            # token ids (any vocabulary), or the text where it gives those ids, so the manifest keeps it
+            prompts = [_as_text(p) for p in old["prompts"]] or prompts
             steps = old.get("steps", steps)
             steps = [int(n) for n in steps] if isinstance(steps, list) else int(steps)
             tap_prompts = old.get("tap_prompts")
@@ -209,7 +219,7 @@ def cdna2_golden(request: pytest.FixtureRequest) -> GoldenStore:
         request.config.stash[REGENERATED] = str(store.path)
         pytest.fail(
             f"cdna2: goldens were rewritten at {store.path} ({len(store.prompts)} prompts, "
-            f"{store.steps} steps); this run fails on purpose: rerun without --cdna2-regen-goldens",
+            f"{store.steps_text} steps); this run fails on purpose: rerun without --cdna2-regen-goldens",
             pytrace=False,
         )
     if s.goldens_is_default and not s.goldens.exists():

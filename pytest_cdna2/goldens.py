@@ -435,6 +435,12 @@ class GoldenStore:
         return int(max(steps) if isinstance(steps, list) else steps)
 
     @property
+    def steps_text(self) -> str:
+        """The steps as a message gives them: "32", or per prompt "128,128,32" where prompts differ."""
+        steps = self.manifest.get("steps", 0)
+        return ",".join(map(str, steps)) if isinstance(steps, list) and len(set(steps)) > 1 else str(self.steps)
+
+    @property
     def prompts(self) -> list[GoldenPrompt]:
         """Every prompt, in manifest order."""
         return [

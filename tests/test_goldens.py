@@ -505,6 +505,16 @@ def test_a_build_refuses_logits_its_store_would_refuse(tmp_path):
     assert not (tmp_path / "g").exists()
 
 
+def test_steps_text_names_each_prompts_steps_where_they_differ(tmp_path):
+    """Messages said "2 prompts, 3 steps" for a store of 3 and 2 steps (`steps` is the most)."""
+    from test_plugin_fake_engine import make_model, write_fake_model
+
+    model = make_model(str(write_fake_model(tmp_path / "m", seed=1)))
+    differ = build_goldens(None, tmp_path / "g", [b"hi", b"yo"], [3, 2], model=model, progress=False)
+    same = build_goldens(None, tmp_path / "h", [b"hi", b"yo"], [2, 2], model=model, progress=False)
+    assert (differ.steps, differ.steps_text, same.steps_text) == (3, "3,2", "2")
+
+
 def test_the_float64_hint_is_for_other_engines_only(tmp_path):
     """The bundled engine's float64 decode disagreeing with its prefill is a bug in it: no hint to work around it."""
     import cdna2_engine

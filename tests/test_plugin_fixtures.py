@@ -168,6 +168,7 @@ def test_regen_rewrites_and_fails_the_run_then_the_next_run_passes(pytester, rea
     assert manifest["dtype"] == "float64" and manifest["backend"] == "reference"
     assert manifest["tolerance_profile"] == "default"  # as `cdna2 goldens build` (and build_goldens) record it
     assert [p["tokens"] for p in manifest["prompts"]] == [list(b"hello"), [299, 7, 280, 1]]  # prompts kept
+    assert [p["text"] for p in manifest["prompts"]] == ["hello", ""]  # and a byte-level prompt's text
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".goldens")) == []
     run(pytester, "--cdna2-model=b", "--cdna2-goldens=goldens").assert_outcomes(passed=2)
 
