@@ -296,17 +296,19 @@ def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
 def test_no_room_for_the_repack_runs_as_with_the_path_off_gpu(t, monkeypatch):
     """Where the experts' repacked copy would not fit the free memory (here: a headroom larger than the GPU), the
     call runs as with MOE_MMA off, to the bit (at 32 tokens too, where the plan differs: dot blocks, not pairs),
-    warns once per device, and repacks nothing; with room again the tensor-core path takes the same weights."""
+    warns once per device, and repacks nothing; the layer keeps that path when room appears later (the two paths
+    differ in the last bits); weights it has not refused take the tensor-core path when there is room."""
     monkeypatch.setattr(tri, "POISON", True)
     dev = torch.device("cuda")
     if not tri._mma_on(torch.zeros(t, 4096, dtype=torch.bfloat16, device=dev), 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
     monkeypatch.setattr(tri, "_MMA_NO_ROOM", set())
+    monkeypatch.setattr(tri, "_MMA_NO_ROOM_STACKS", {})
     monkeypatch.setattr(tri, "MOE_MMA_HEADROOM", 1 << 50)
     e = 16
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(torch.Generator(dev).manual_seed(14 + t), e, 6, scale_200=False, t=t)
     stacks = [[w1.data, w1.scale, w3.data, w3.scale], [w2.data, w2.scale]]
-    with pytest.warns(UserWarning, match=r"cuda:0: the MXFP4 tensor-core path needs a repacked copy .* GB are free"):
+    with pytest.warns(UserWarning, match=r"cuda:\d+: the MXFP4 tensor-core path needs a repacked copy .* GB are free"):
         tight = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0)
     assert all(tri._mma_cached(ts) is None for ts in stacks)  # nothing repacked
     with warnings.catch_warnings():
@@ -316,6 +318,10 @@ def test_no_room_for_the_repack_runs_as_with_the_path_off_gpu(t, monkeypatch):
     assert torch.equal(tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0), tight)
     monkeypatch.setitem(tri.MOE_MMA, "on", True)
     monkeypatch.setattr(tri, "MOE_MMA_HEADROOM", 0)
+    assert torch.equal(tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0), tight)  # refused once: the same path
+    assert all(tri._mma_cached(ts) is None for ts in stacks)
+    w1, w3, w2 = (QWeight(w.data.clone(), w.scale.clone(), w.kind) for w in (w1, w3, w2))  # weights not refused
+    stacks = [[w1.data, w1.scale, w3.data, w3.scale], [w2.data, w2.scale]]
     roomy = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0)
     assert all(tri._mma_cached(ts) is not None for ts in stacks)  # the tensor-core path ran
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0)

@@ -566,8 +566,10 @@ def _moe_cfg(launch: _Launch, x: torch.Tensor, bm: int, tokens: int, down: bool 
 # launch, empty rows), level at 12, 3-15% faster at 16-64 (64: 1409 -> 1218 us).
 MOE_MMA = {"on": True, "SPLITS": ((1, 4, 2), (4, 4, 1), (8, 2, 1)), "PDL": True, "TWO_MIN_T": 12}
 _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
-MOE_MMA_HEADROOM = 1 << 30  # bytes a repack leaves free (the step's activations, the transient interleaved copy)
+MOE_MMA_HEADROOM = 1 << 30  # bytes a repack leaves free beyond its copy and the largest stack's transient chunks
+# (the step's activations, mma_repack's int64 intermediates: ~0.3 GB at V4-Flash's widths)
 _MMA_NO_ROOM: set[torch.device] = set()
+_MMA_NO_ROOM_STACKS: dict[tuple[int, ...], list] = {}  # stacks refused once, so each keeps the stream path
 
 
 def _mma_pdl(device: torch.device) -> bool:
@@ -607,16 +609,28 @@ def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
     """Whether the stacks not yet repacked fit the device's free memory (the repack is a second copy of the experts:
     V4-Flash's ~150 GB of them beside the checkpoint's would end a step in an out-of-memory error). No room, or none
     repacked during a graph capture: the stream kernels take those tokens, with one warning per device."""
+    if device.type != "cuda":
+        return True  # meta tensors (the ISA tier's launch recording): no memory to run out of
     tensors = [[t for w in ws for t in (w.data, w.scale)] for ws in stacks]
-    need = sum(t.numel() * t.element_size() for ts in tensors if _mma_cached(ts) is None for t in ts)
-    if need == 0:
+    key = tuple(id(t) for ts in tensors for t in ts)
+    refused = _MMA_NO_ROOM_STACKS.get(key)
+    if refused is not None and all(ref() is t for ref, t in zip(refused, (t for ts in tensors for t in ts),
+                                                                   strict=True)):
+        return False  # decided once: a layer keeps its path (the two differ in the last bits)
+    sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in tensors if _mma_cached(ts) is None]
+    if not sizes:
         return True
     if torch.cuda.is_current_stream_capturing():
         return False  # the eager step before the capture found no room (DecodeGraph runs one)
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
         torch.cuda.memory_allocated(device)
-    if need + MOE_MMA_HEADROOM <= free:
+    need = sum(sizes)
+    if need + max(sizes) + MOE_MMA_HEADROOM <= free:  # + the largest: its chunks and their cat live at once
         return True
+    flat = [t for ts in tensors for t in ts]
+    _MMA_NO_ROOM_STACKS[key] = [weakref.ref(t) for t in flat]
+    for t in flat:
+        weakref.finalize(t, _MMA_NO_ROOM_STACKS.pop, key, None)
     if device not in _MMA_NO_ROOM:
         _MMA_NO_ROOM.add(device)
         warnings.warn(f"{device}: the MXFP4 tensor-core path needs a repacked copy of each layer's experts "
@@ -629,7 +643,7 @@ def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
 def _mma_use(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, k: int) -> bool:
     """Whether moe_experts gives x's tokens to the tensor-core kernels: the device and shapes allow it
     (`_mma_on`, up to MOE_PAIRS_MAX_T["mma"] tokens) and the experts' repacked copy fits (`_mma_room`)."""
-    return (x.shape[0] <= MOE_PAIRS_MAX_T["mma"] and _mma_on(x, w1.data.shape[1], k)
+    return (bool(MOE_STREAM["on"]) and x.shape[0] <= MOE_PAIRS_MAX_T["mma"] and _mma_on(x, w1.data.shape[1], k)
             and _mma_room(x.device, (w1, w3), (w2,)))
 
 
