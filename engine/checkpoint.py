@@ -377,8 +377,10 @@ def _check_experts_uniform(files: _Files, storage: dict[str, tuple], cfg: Config
 
 def _need_name(files: _Files, name: str) -> None:
     if name not in files.names:
+        hint = " (num_hash_layers, 3 when config.json leaves it out, as in transformers, makes the first layers " \
+            "route by token id: set it to the model's count, 0 for none)" if name.endswith(".tid2eid") else ""
         raise CheckpointError(f"{files.folder}: missing key {name}: the checkpoint is incomplete or its config.json "
-                              "describes another model")
+                              f"describes another model{hint}")
 
 
 def _need(files: _Files, name: str) -> torch.Tensor:

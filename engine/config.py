@@ -172,9 +172,16 @@ class Config:
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act {d['hidden_act']!r} is not supported: V4's experts use silu "
                               "(SwiGLU)")
-        if "num_hash_layers" not in d and "mlp_layer_types" in d:
-            d["num_hash_layers"] = sum(t == "hash_moe" for t in d["mlp_layer_types"])
-        if "num_hash_layers" not in d and isinstance(d.get("num_hidden_layers"), int):
+        mlp = d.get("mlp_layer_types")
+        if mlp is not None:
+            if any(t not in ("hash_moe", "moe") for t in mlp):
+                raise ConfigError(f"{source}: mlp_layer_types entries must be hash_moe or moe, got {mlp!r}")
+            n_hash = mlp.count("hash_moe")
+            if mlp[:n_hash] != ["hash_moe"] * n_hash:
+                raise ConfigError(f"{source}: mlp_layer_types {mlp!r}: the hash_moe layers must come first (V4 routes "
+                                  "its first num_hash_layers layers by token id)")
+            d.setdefault("num_hash_layers", n_hash)
+        if "num_hash_layers" not in d and isinstance(d.get("num_hidden_layers"), int) and d["num_hidden_layers"] > 0:
             d["num_hash_layers"] = min(3, d["num_hidden_layers"])  # transformers' default_num_hash_layers
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
             d["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
@@ -182,12 +189,21 @@ class Config:
         for part in ("main", "compress"):
             if rp.get(part) is not None and not isinstance(rp[part], dict):
                 raise ConfigError(f"{source}: field rope_parameters.{part} must be an object, got {rp[part]!r}")
-        if not isinstance(rp.get("compress"), dict) and rp.get("rope_type") not in (None, "default"):
+        if isinstance(rp.get("compress"), dict) != isinstance(rp.get("main"), dict):
+            raise ConfigError(f"{source}: rope_parameters has {'compress' if rp.get('compress') else 'main'} without "
+                              "its other half: give both main and compress (transformers reads one alone as no "
+                              "scaling)")
+        if isinstance(rp.get("compress"), dict):
+            comp = rp["compress"]
+            if comp.get("rope_type", comp.get("type")) == "yarn" and "attention_factor" not in comp:
+                raise ConfigError(f"{source}: rope_parameters.compress (yarn) has no attention_factor: transformers "
+                                  "would apply YaRN's derived one, DeepSeek's V4 none; write \"attention_factor\": 1.0")
+        elif rp.get("rope_type", rp.get("type")) not in (None, "default"):
             # flat: transformers reads it as compress's, at compress_rope_theta whatever rope_theta it holds
             rp = {"compress": {k: v for k, v in rp.items() if k not in ("main", "rope_theta")}}
         if d.get("rope_scaling") is None and isinstance(rp.get("compress"), dict):
             comp = rp["compress"]
-            if comp.get("rope_type") == "yarn":
+            if comp.get("rope_type", comp.get("type")) == "yarn":
                 d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
             for key, theta in (("compress_rope_theta", comp.get("rope_theta")),
                                ("rope_theta", (rp.get("main") or {}).get("rope_theta"))):

@@ -529,6 +529,16 @@ def test_config_missing_required_field(ck, field):
     (dict(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
                         "attention_factor": 1.3}), "attention_factor 1.3 is not supported: .* use 1.0", "rope_scaling"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported: V4's experts use silu", "hidden_act"),
+    (dict(mlp_layer_types=["moe", "hash_moe"], num_hash_layers=_DELETE), "the hash_moe layers must come first",
+     "mlp_layer_types"),
+    (dict(mlp_layer_types=["moe", "dense"], num_hash_layers=_DELETE), "entries must be hash_moe or moe",
+     "mlp_layer_types"),
+    (dict(rope_parameters={"compress": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64}}),
+     "rope_parameters has compress without its other half: give both", "rope_parameters"),
+    (dict(rope_scaling=None, rope_parameters={"main": {"rope_theta": 1e4}, "compress": {
+        "rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "rope_theta": 1.6e5}}),
+     r"rope_parameters.compress \(yarn\) has no attention_factor: .* write \"attention_factor\": 1.0",
+     "rope_parameters"),
     (dict(quantization_config={"quant_method": "int4"}), "quant_method 'int4' is not supported",
      "quantization_config"),
     (dict(quantization_config=dict(QUANTIZATION_CONFIG, weight_block_size=[64, 64])),
@@ -554,6 +564,15 @@ def test_config_inconsistent(ck, changes, match, field):
     with pytest.raises(ConfigError, match=match) as e:
         read_checkpoint(ck)
     one_line(e, path, field)
+
+
+def test_config_without_num_hash_layers_names_the_default_it_took(ck):
+    """Without num_hash_layers (or with mlp_layer_types null) transformers makes the first 3 layers hash-routed, and
+    so does the engine: a checkpoint without their tables then says why it wanted them."""
+    edit_config(ck, num_hash_layers=_DELETE, mlp_layer_types=None)
+    with pytest.raises(CheckpointError, match=r"missing key layers.0.ffn.gate.tid2eid: .*num_hash_layers, 3 when "
+                                              r"config.json leaves it out.*set it to the model's count, 0 for none"):
+        read_checkpoint(ck)
 
 
 @pytest.mark.parametrize("changes, key", [

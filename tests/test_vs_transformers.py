@@ -71,7 +71,8 @@ def test_float32_matches_transformers(case):
     assert same[clear].all(), f"{name}: argmax differs at {(~same & clear).nonzero()[:5].tolist()}"
 
 
-@pytest.mark.parametrize("variant", ["num_hash_layers left out", "flat yarn rope_parameters"])
+@pytest.mark.parametrize("variant", ["num_hash_layers left out", "flat yarn rope_parameters",
+                                     "flat yarn rope_parameters keyed type"])
 def test_config_json_variants_read_as_transformers_reads_them(tmp_path, variant):
     """config.json forms the official one does not use, read alike by both (a review found the engine reading
     them otherwise, 1.6 and 0.59 relative apart): without num_hash_layers transformers makes the first 3 layers
@@ -90,7 +91,8 @@ def test_config_json_variants_read_as_transformers_reads_them(tmp_path, variant)
         del conf["num_hash_layers"]
     else:
         del conf["rope_scaling"]
-        conf["rope_parameters"] = yarn
+        conf["rope_parameters"] = yarn if variant.endswith("parameters") else \
+            {("type" if k == "rope_type" else k): v for k, v in yarn.items()}
     (path / "config.json").write_text(json.dumps(conf))
     ours = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
     assert torch.equal(ours, spelled)
