@@ -188,8 +188,8 @@ def _resolve(config: pytest.Config) -> Settings:
             f"--cdna2-regen-goldens: {goldens} is the golden store bundled with the package; refusing to rewrite "
             "it: name another folder with --cdna2-goldens"
         )
-    if regen and (config.getoption("numprocesses", None) or config.getoption("tx", None)
-                  or hasattr(config, "workerinput")):
+    distributed = config.getoption("tx", None) and config.getoption("dist", "no") != "no"  # xdist's own test
+    if regen and (config.getoption("numprocesses", None) or distributed or hasattr(config, "workerinput")):
         raise pytest.UsageError("--cdna2-regen-goldens cannot run under xdist (-n, --tx): run it in one process")
 
     backend = str(_opt(config, "backend")[0] or "reference")

@@ -63,6 +63,17 @@ def _short(v: float) -> str:
     return next((f"{v:.{d}e}" for d in range(3, 12) if float(f"{v:.{d}e}") == full), f"{v:.12e}")
 
 
+def _beside(v: float, limit: float) -> str:
+    """A value in the limit's digits at least, and more until it reads apart from a limit it differs from (a
+    cosine just under 0.999999999 printed as 1.000e+00, or as the limit itself)."""
+    if not (math.isfinite(v) and math.isfinite(limit)):
+        return f"{v:.3e}"
+    d = max(3, len(_short(limit).split("e")[0].split(".")[-1]))
+    while d < 12 and v != limit and f"{v:.{d}e}" == f"{limit:.{d}e}":
+        d += 1
+    return f"{v:.{d}e}"
+
+
 @dataclass(frozen=True)
 class Metric:
     """One recorded metric, as read back from a report."""
@@ -92,9 +103,8 @@ class Metric:
         verdict = "ok" if self.ok else "FAIL"
         where = f" [{self.what}]" if self.what else ""
         limit = _short(self.limit)
-        digits = len(limit.split("e")[0].split(".")[-1])  # the value to the limit's digits: how close it is shows
         return (
-            f"{self.metric} {self.value:.{digits}e} (limit {self.op} {limit}, {verdict}) "
+            f"{self.metric} {_beside(self.value, self.limit)} (limit {self.op} {limit}, {verdict}) "
             f"in {self.nodeid}{where}"
         )
 

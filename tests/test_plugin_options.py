@@ -128,7 +128,7 @@ def test_defaults_point_at_the_bundled_model(pytester):
         (["--cdna2-tolerance=t.toml"], "", "*--cdna2-tolerance: */t.toml: [[]token] kl: unknown key*"),
         (["--cdna2-regen-goldens", "--cdna2-goldens=new", "-n", "2"], "",
          "*--cdna2-regen-goldens cannot run under xdist*"),
-        (["--cdna2-regen-goldens", "--cdna2-goldens=new", "--dist=load", "--tx=2*popen"], "",
+        (["--cdna2-regen-goldens", "--cdna2-goldens=new", "--dist=load", "--tx=2*popen"], "",  # no -n, same
          "*--cdna2-regen-goldens cannot run under xdist (-n, --tx): run it in one process*"),
         (["--cdna2-regen-goldens"], "", "*--cdna2-regen-goldens needs --cdna2-goldens: name the store to rewrite*"),
         ([], "cdna2_perf_on_cpu = maybe", "*ini key cdna2_perf_on_cpu: *'maybe'*; expected true or false"),
