@@ -137,6 +137,10 @@ def _one_device(spec: str) -> str:
             raise _Fail(str(e)) from None
         if re.fullmatch(r"(cuda:)?\d+", spec.strip()):  # --cdna2-device's own form (cuda:7 without a GPU 7): its error
             raise _Fail(str(e)) from None
+        from pytest_cdna2.engines import _has_device
+
+        if not _has_device(torch.device(spec)):
+            raise _Fail(f"--device={spec}: this host has no such device (cpu, N or cuda:N for its GPUs)") from None
         return spec
     if len(found) != 1:
         raise _Fail(f"--device={spec}: bisect runs on one device: cpu, N or cuda:N")
@@ -215,6 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raised_by(e: BaseException, spec: str) -> bool:
+    """Whether a frame of e's traceback runs code of the user engine `spec` (module:factory)'s module."""
+    module = sys.modules.get(spec.partition(":")[0])
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    where = Path(file).parent if Path(file).name == "__init__.py" else Path(file)
+    tb = e.__traceback__
+    while tb is not None:
+        code = Path(tb.tb_frame.f_code.co_filename)
+        if code == where or where in code.parents:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cdna2`` script; returns the exit code."""
     args = None
@@ -224,21 +244,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Fail as e:
         print(f"cdna2: error: {e}", file=sys.stderr)
         return e.code
-    except (goldens.GoldenError, ValueError, LookupError) as e:  # LookupError: --engine
-        print(f"cdna2: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path that is a file, a folder that cannot be made: one line naming it
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"cdna2: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # a user engine's own error, loading or running it: its type and message, no traceback
+    except Exception as e:
         engine = getattr(args, "engine", "bundled")
-        if engine == "bundled":  # the bundled engine's bugs keep their traceback
-            raise
-        message = " ".join(str(e).split())
-        print(f"cdna2: error: --engine={engine} raised {type(e).__name__}{': ' if message else ''}{message}",
-              file=sys.stderr)
-        return 2
+        if engine != "bundled" and _raised_by(e, engine):  # a user engine's own error: named, no traceback
+            message = " ".join(str(e).split())
+            print(f"cdna2: error: --engine={engine} raised {type(e).__name__}{': ' if message else ''}{message}",
+                  file=sys.stderr)
+            return 2
+        if isinstance(e, (goldens.GoldenError, ValueError, LookupError)):  # LookupError: --engine
+            print(f"cdna2: error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, OSError):  # a path that is a file, a folder that cannot be made: one line naming it
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"cdna2: error: {where}{e.strerror or e}", file=sys.stderr)
+            return 2
+        raise  # a bug (ours, or the bundled engine's): its traceback
 
 
 if __name__ == "__main__":

@@ -157,6 +157,14 @@ def raises_loading(path, *, device="cpu", backend="reference", dtype=None):
     raise RuntimeError("no such checkpoint format")
 
 
+def raises_key(path, *, device="cpu", backend="reference", dtype=None):
+    return {}["layers.0.attn.wq"]  # a KeyError, which the CLI's own one-line handlers catch too
+
+
+def raises_missing(path, *, device="cpu", backend="reference", dtype=None):
+    return open("/nonexistent/tokenizer.json")  # an OSError
+
+
 class _Broken:
     """The bundled engine whose forward and generate raise, or (short) whose logits lack the last vocabulary entry."""
 
@@ -192,6 +200,8 @@ def on_gpu0(path, *, device="cpu", backend="reference", dtype=None):
 @pytest.mark.parametrize("engine, message", [
     ("raises_loading", "raised RuntimeError: no such checkpoint format"),
     ("raises_running", "raised RuntimeError: kernel launch failed"),
+    ("raises_key", "raised KeyError: 'layers.0.attn.wq'"),
+    ("raises_missing", "raised FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/tokenizer.json'"),
     ("on_gpu0", "returned an engine on cuda:0 (asked for cpu), which this host does not have: load it on the device "
                 "the factory is given"),
 ])
@@ -208,6 +218,18 @@ def test_cli_a_user_engine_that_raises_or_sits_elsewhere_is_one_line(small, caps
     out, err = capsys.readouterr()
     assert out == "" and err == f"cdna2: error: --engine=test_bisect:{engine} {message}\n", err
     assert not (tmp_path / "g").exists()
+
+
+def test_cli_a_device_the_host_lacks_is_named_before_the_engine_loads(small, capsys, monkeypatch):
+    """--device mps (or cuda) on a host without one: the option is wrong, not the engine that would load there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, goldens = small
+    for dev in ("mps", "cuda"):
+        argv = ["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "test_bisect:raises_loading",
+                "--device", dev]
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"cdna2: error: --device={dev}: this host has no such device (cpu, N or " \
+            "cuda:N for its GPUs)\n"
 
 
 def test_cli_bisect_logits_of_another_shape_fail_the_check(small, capsys):
