@@ -94,7 +94,7 @@ def test_perf_alone_is_not_gated_by_nothing(pytester):
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_suite_perf_tests_pass_with_benchmarks_disabled(pytester, disabled):
+def test_suite_perf_tests_pass_with_benchmarks_disabled(pytester, monkeypatch, disabled):
     """suite/test_perf.py under pytest-benchmark's --benchmark-disable (often in addopts): each runs once, untimed,
     and passes (its reading of the median crashed both on a green suite). Timed, each records tokens per second."""
     tiers = TESTS.format(ok2=True).replace('@pytest.mark.perf\ndef test_bench():\n    print("PERF RAN")\n', "")
@@ -116,6 +116,7 @@ def test_suite_perf_tests_pass_with_benchmarks_disabled(pytester, disabled):
         def pytest_sessionfinish(session):
             print("CALLS", len(Engine.calls))
     """)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # in an xdist worker pytest-benchmark disables itself
     args = ["-p", "no:hypothesispytest", "--cdna2-device=cpu", "--cdna2-perf-on-cpu", "-s", "--benchmark-json=b.json"]
     r = pytester.runpytest_inprocess(*args, *(["--benchmark-disable"] if disabled else []))
     r.assert_outcomes(passed=9)
