@@ -174,13 +174,17 @@ class Config:
                               "(SwiGLU)")
         mlp = d.get("mlp_layer_types")
         if mlp is not None:
+            n = d.get("num_hidden_layers")
+            if isinstance(n, int) and not isinstance(n, bool) and len(mlp) < n:
+                raise ConfigError(f"{source}: mlp_layer_types has {len(mlp)} entries for {n} layers")
+            mlp = mlp[:n] if isinstance(n, int) and not isinstance(n, bool) else mlp  # transformers keeps n
             if any(t not in ("hash_moe", "moe") for t in mlp):
                 raise ConfigError(f"{source}: mlp_layer_types entries must be hash_moe or moe, got {mlp!r}")
             n_hash = mlp.count("hash_moe")
             if mlp[:n_hash] != ["hash_moe"] * n_hash:
                 raise ConfigError(f"{source}: mlp_layer_types {mlp!r}: the hash_moe layers must come first (V4 routes "
                                   "its first num_hash_layers layers by token id)")
-            d.setdefault("num_hash_layers", n_hash)
+            d["num_hash_layers"] = n_hash  # it wins over a legacy num_hash_layers, as in transformers
         if "num_hash_layers" not in d and isinstance(d.get("num_hidden_layers"), int) and d["num_hidden_layers"] > 0:
             d["num_hash_layers"] = min(3, d["num_hidden_layers"])  # transformers' default_num_hash_layers
         if "qk_rope_head_dim" not in d and d.get("partial_rotary_factor") and "head_dim" in d:
@@ -189,26 +193,8 @@ class Config:
         for part in ("main", "compress"):
             if rp.get(part) is not None and not isinstance(rp[part], dict):
                 raise ConfigError(f"{source}: field rope_parameters.{part} must be an object, got {rp[part]!r}")
-        if isinstance(rp.get("compress"), dict) != isinstance(rp.get("main"), dict):
-            raise ConfigError(f"{source}: rope_parameters has {'compress' if rp.get('compress') else 'main'} without "
-                              "its other half: give both main and compress (transformers reads one alone as no "
-                              "scaling)")
-        if isinstance(rp.get("compress"), dict):
-            comp = rp["compress"]
-            if comp.get("rope_type", comp.get("type")) == "yarn" and "attention_factor" not in comp:
-                raise ConfigError(f"{source}: rope_parameters.compress (yarn) has no attention_factor: transformers "
-                                  "would apply YaRN's derived one, DeepSeek's V4 none; write \"attention_factor\": 1.0")
-        elif rp.get("rope_type", rp.get("type")) not in (None, "default"):
-            # flat: transformers reads it as compress's, at compress_rope_theta whatever rope_theta it holds
-            rp = {"compress": {k: v for k, v in rp.items() if k not in ("main", "rope_theta")}}
-        if d.get("rope_scaling") is None and isinstance(rp.get("compress"), dict):
-            comp = rp["compress"]
-            if comp.get("rope_type", comp.get("type")) == "yarn":
-                d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
-            for key, theta in (("compress_rope_theta", comp.get("rope_theta")),
-                               ("rope_theta", (rp.get("main") or {}).get("rope_theta"))):
-                if theta is not None:
-                    d.setdefault(key, theta)
+        if d.get("rope_scaling") is None:  # with rope_scaling, transformers reads rope_parameters not at all
+            cls._read_rope_parameters(d, rp, source)
         names = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if _required(f)]
         missing = [n for n in required if n not in d]
@@ -218,6 +204,34 @@ class Config:
             return cls(**{k: v for k, v in d.items() if k in names})
         except ConfigError as e:
             raise ConfigError(f"{source}: {str(e).removeprefix('config: ')}") from None
+
+    @staticmethod
+    def _read_rope_parameters(d: dict, rp: dict, source: str) -> None:
+        """rope_parameters into d's rope_scaling and thetas as transformers reads them: nested main and compress
+        (their thetas win over the top-level ones), or flat (the compressed layers' YaRN); forms it would read
+        otherwise than DeepSeek's V4, or that it reads oddly, are refused."""
+        main, comp = rp.get("main"), rp.get("compress")
+        if isinstance(main, dict) != isinstance(comp, dict):
+            raise ConfigError(f"{source}: rope_parameters has {'compress' if isinstance(comp, dict) else 'main'} "
+                              "without its other half: give both main and compress (transformers reads one alone "
+                              "as no scaling)")
+        if isinstance(comp, dict):
+            if main.get("rope_type", main.get("type")) not in (None, "default"):
+                raise ConfigError(f"{source}: rope_parameters.main is {main.get('rope_type', main.get('type'))!r}: V4 "
+                                  "scales only the compressed layers' RoPE (compress), the sliding ones' stays default")
+            if "rope_theta" not in comp:
+                raise ConfigError(f"{source}: rope_parameters.compress has no rope_theta: transformers would take "
+                                  "rope_theta's; write the compressed layers' (V4-Flash: 160000)")
+            if comp.get("rope_type", comp.get("type")) == "yarn" and "attention_factor" not in comp:
+                raise ConfigError(f"{source}: rope_parameters.compress (yarn) has no attention_factor: transformers "
+                                  "would apply YaRN's derived one, DeepSeek's V4 none; write \"attention_factor\": 1.0")
+            d["compress_rope_theta"] = comp["rope_theta"]
+            if main.get("rope_theta") is not None:
+                d["rope_theta"] = main["rope_theta"]
+        elif rp.get("rope_type", rp.get("type")) not in (None, "default"):
+            comp = {k: v for k, v in rp.items() if k != "rope_theta"}  # flat: at compress_rope_theta, as transformers
+        if isinstance(comp, dict) and comp.get("rope_type", comp.get("type")) == "yarn":
+            d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
 
     @classmethod
     def load(cls, path: str | Path) -> Config:

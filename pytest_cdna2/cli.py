@@ -219,17 +219,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _engine_code(spec: str) -> list[Path]:
+    """Where a user engine `spec` (module:factory) keeps its code: the top-level package (or module) of the
+    spec's module and of the factory's own module (a factory imported from another module)."""
+    name, _, attr = spec.partition(":")
+    factory = getattr(sys.modules.get(name), attr.split(".")[0], None)
+    places = []
+    for mod in {name, getattr(factory, "__module__", None) or name}:
+        top = sys.modules.get(mod.split(".")[0])
+        file = getattr(top, "__file__", None)
+        if file:
+            places.append(Path(file).parent if Path(file).name == "__init__.py" else Path(file))
+    return places
+
+
 def _raised_by(e: BaseException, spec: str) -> bool:
-    """Whether a frame of e's traceback runs code of the user engine `spec` (module:factory)'s module."""
-    module = sys.modules.get(spec.partition(":")[0])
-    file = getattr(module, "__file__", None)
-    if not file:
-        return False
-    where = Path(file).parent if Path(file).name == "__init__.py" else Path(file)
+    """Whether a frame of e's traceback runs code of the user engine `spec`."""
+    places = _engine_code(spec)
     tb = e.__traceback__
     while tb is not None:
         code = Path(tb.tb_frame.f_code.co_filename)
-        if code == where or where in code.parents:
+        if any(code == p or p in code.parents for p in places):
             return True
         tb = tb.tb_next
     return False

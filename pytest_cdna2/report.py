@@ -69,7 +69,7 @@ def _beside(v: float, limit: float) -> str:
     if not (math.isfinite(v) and math.isfinite(limit)):
         return f"{v:.3e}"
     d = max(3, len(_short(limit).split("e")[0].split(".")[-1]))
-    while d < 12 and v != limit and f"{v:.{d}e}" == f"{limit:.{d}e}":
+    while d < 17 and v != limit and f"{v:.{d}e}" == f"{limit:.{d}e}":  # 17 digits tell any two doubles apart
         d += 1
     return f"{v:.{d}e}"
 

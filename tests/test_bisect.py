@@ -165,6 +165,9 @@ def raises_missing(path, *, device="cpu", backend="reference", dtype=None):
     return open("/nonexistent/tokenizer.json")  # an OSError
 
 
+reexported = raises_missing  # a factory that lives in another module than the spec names: see the test below
+
+
 class _Broken:
     """The bundled engine whose forward and generate raise, or (short) whose logits lack the last vocabulary entry."""
 
@@ -218,6 +221,17 @@ def test_cli_a_user_engine_that_raises_or_sits_elsewhere_is_one_line(small, caps
     out, err = capsys.readouterr()
     assert out == "" and err == f"cdna2: error: --engine=test_bisect:{engine} {message}\n", err
     assert not (tmp_path / "g").exists()
+
+
+def test_cli_a_factory_imported_from_another_module_is_named_too(small, capsys, tmp_path, monkeypatch):
+    """--engine reexp:factory where reexp.py only imports the factory from this module: the error is still the
+    engine's (its traceback never enters reexp.py)."""
+    (tmp_path / "reexp.py").write_text("from test_bisect import reexported as factory\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, goldens = small
+    argv = ["bisect", "--model", str(model), "--goldens", str(goldens), "--engine", "reexp:factory"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("cdna2: error: --engine=reexp:factory raised FileNotFoundError:")
 
 
 def test_cli_a_device_the_host_lacks_is_named_before_the_engine_loads(small, capsys, monkeypatch):

@@ -533,8 +533,14 @@ def test_config_missing_required_field(ck, field):
      "mlp_layer_types"),
     (dict(mlp_layer_types=["moe", "dense"], num_hash_layers=_DELETE), "entries must be hash_moe or moe",
      "mlp_layer_types"),
-    (dict(rope_parameters={"compress": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64}}),
+    (dict(rope_scaling=None, rope_parameters={"compress": {"rope_type": "yarn", "factor": 16,
+                                                           "original_max_position_embeddings": 64}}),
      "rope_parameters has compress without its other half: give both", "rope_parameters"),
+    (dict(rope_scaling=None, rope_parameters={"main": {"rope_theta": 1e4}, "compress": {}}),
+     "rope_parameters.compress has no rope_theta: .* write the compressed layers'", "rope_parameters"),
+    (dict(rope_scaling=None, rope_parameters={"main": {"rope_type": "yarn", "factor": 4}, "compress": {
+        "rope_theta": 1.6e5}}), "rope_parameters.main is 'yarn': V4 scales only the compressed", "rope_parameters"),
+    (dict(mlp_layer_types=["hash_moe"]), "mlp_layer_types has 1 entries for 2 layers", "mlp_layer_types"),
     (dict(rope_scaling=None, rope_parameters={"main": {"rope_theta": 1e4}, "compress": {
         "rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "rope_theta": 1.6e5}}),
      r"rope_parameters.compress \(yarn\) has no attention_factor: .* write \"attention_factor\": 1.0",

@@ -400,6 +400,8 @@ def test_summary_limits_keep_the_digits_that_matter():
     line = Metric("t::x", "cosine_min", 0.9999999989, 0.999999999, ">=", "").line()  # read apart from its limit
     assert line.startswith("cosine_min 9.999999989e-01 (limit >= 9.99999999e-01, FAIL)")
     assert Metric("t::x", "kl_max", 2.5e-2, float("inf"), "<=", "").line().startswith("kl_max 2.500e-02 (limit <= inf")
+    line = Metric("t::x", "cosine_min", 0.9999999999999999, 1.0, ">=", "").line()  # one ulp under
+    assert line.startswith("cosine_min 9.999999999999999e-01 (limit >= 1.000e+00, FAIL)"), line
     line = Metric("t::x", "kl_max", 2.1e-2, 1e-3, "<=", "").line()
     assert line.startswith("kl_max 2.100e-02 (limit <= 1.000e-03, FAIL)")
 

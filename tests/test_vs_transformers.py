@@ -101,6 +101,31 @@ def test_config_json_variants_read_as_transformers_reads_them(tmp_path, variant)
     assert rel_per_position(ours, ref).max() <= 1e-5  # the float64 bound above
 
 
+def test_nested_rope_parameters_thetas_win_over_the_top_level_ones(tmp_path):
+    """save_pretrained writes the top-level thetas beside the nested ones, and transformers reads the nested: the
+    engine read the top-level (0.47 relative apart on this config)."""
+    import json
+
+    yarn = {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    cfg = make_config("mixed", rope_theta=2e4, compress_rope_theta=4e4, rope_scaling=yarn)
+    path = make_checkpoint(tmp_path, cfg, seed=5)
+    ids = torch.randint(0, cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(9))
+    spelled = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
+    conf = json.loads((path / "config.json").read_text())
+    del conf["rope_scaling"]
+    part = cfg.qk_rope_head_dim / cfg.head_dim  # as save_pretrained writes the nested form
+    conf.update(rope_theta=1e4, compress_rope_theta=1.6e5, rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": 2e4, "partial_rotary_factor": part},
+        "compress": {**yarn, "rope_theta": 4e4, "attention_factor": 1.0, "partial_rotary_factor": part}})
+    (path / "config.json").write_text(json.dumps(conf))
+    ours = cdna2_engine.load_model(path, dtype=torch.float64).forward(ids)
+    assert torch.equal(ours, spelled)
+    with torch.no_grad():
+        ref = load_hf(path, torch.float64)(ids).logits
+    assert rel_per_position(ours, ref).max() <= 1e-5
+
+
 def test_converted_hf_checkpoint_round_trips(tmp_path):
     """A transformers save_pretrained model -> convert_hf_checkpoint -> official layout: transformers
     (dequantize=True) and the engine read the converted folder to the same logits."""
