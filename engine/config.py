@@ -175,9 +175,10 @@ class Config:
         mlp = d.get("mlp_layer_types")
         if mlp is not None:
             n = d.get("num_hidden_layers")
-            if isinstance(n, int) and not isinstance(n, bool) and len(mlp) < n:
-                raise ConfigError(f"{source}: mlp_layer_types has {len(mlp)} entries for {n} layers")
-            mlp = mlp[:n] if isinstance(n, int) and not isinstance(n, bool) else mlp  # transformers keeps n
+            if isinstance(n, int) and not isinstance(n, bool):  # else the field's own check names it
+                if len(mlp) < n:
+                    raise ConfigError(f"{source}: mlp_layer_types has {len(mlp)} entries for {n} layers")
+                mlp = mlp[:n]  # transformers keeps n
             if any(t not in ("hash_moe", "moe") for t in mlp):
                 raise ConfigError(f"{source}: mlp_layer_types entries must be hash_moe or moe, got {mlp!r}")
             n_hash = mlp.count("hash_moe")

@@ -137,9 +137,9 @@ def _one_device(spec: str) -> str:
             raise _Fail(str(e)) from None
         if re.fullmatch(r"(cuda:)?\d+", spec.strip()):  # --cdna2-device's own form (cuda:7 without a GPU 7): its error
             raise _Fail(str(e)) from None
-        from pytest_cdna2.engines import _has_device
+        from pytest_cdna2.engines import has_device
 
-        if not _has_device(torch.device(spec)):
+        if not has_device(torch.device(spec)):
             raise _Fail(f"--device={spec}: this host has no such device (cpu, N or cuda:N for its GPUs)") from None
         return spec
     if len(found) != 1:

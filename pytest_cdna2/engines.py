@@ -70,7 +70,7 @@ def takes_dtype(factory: Callable[..., Any]) -> bool:
     return "dtype" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _has_device(dev: Any) -> bool:
+def has_device(dev: Any) -> bool:
     """Whether this host has torch device `dev` (a device type torch cannot ask about counts as there)."""
     import torch
 
@@ -94,7 +94,7 @@ def check_engine(model: Any, what: str, also: tuple[str, ...] = (), device: str 
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"{what} returned an engine whose device {model.device!r} is not a torch device") from None
     asked = f" (asked for {device})" if device is not None else ""
-    if not _has_device(dev):
+    if not has_device(dev):
         raise ValueError(f"{what} returned an engine on {dev}{asked}, which this host does not have: load it on the "
                          "device the factory is given")
     want = torch.device(device) if device is not None else dev

@@ -876,6 +876,7 @@ def build_goldens(
     else:
         tap_names = tuple(f"{i}.{k}" for i in range(layers) for k in ("attn", "ffn"))
     device = getattr(model, "device", "cpu")
+    run = str(getattr(model, "dtype", dtype)).removeprefix("torch.")  # the run's dtype, as the manifest names it
     sha = model_identity(model, model_dir, config=False)[0]
     torch.manual_seed(seed)
 
@@ -906,13 +907,12 @@ def build_goldens(
             tapped = tap_names if tap_prompts is None or i < tap_prompts else ()
             tr = model.trace(seq[None].to(device), taps=tapped)
             problem = greedy_mismatch(tr.logits[0][len(ids) - 1:].cpu(), gen.logits[0].cpu(),
-                                      str(getattr(model, "dtype", dtype)))
+                                      run)
             if problem:  # nothing is written: the goldens would contradict themselves
                 other = type(model).__module__.split(".")[0] != "cdna2_engine"  # the bundled engine: a real bug
                 hint = " (float64's limit is 1e-9: an engine that keeps float32 parts in a float64 run fails it, so " \
-                    "build with --dtype float32)" if other and "float64" in str(getattr(model, "dtype", dtype)) else ""
+                    "build with --dtype float32)" if other and run == "float64" else ""
                 raise GoldenError(f"prompt {name}: {problem}; fix the engine before building goldens from it{hint}")
-            run = str(getattr(model, "dtype", dtype)).removeprefix("torch.")
             if not _logits_hold(tr.logits[0], gen.logits[0], run):  # the store would be refused at every load
                 raise GoldenError(f"prompt {name}: the engine returned logits of dtype {tr.logits.dtype} (trace) and "
                                   f"{gen.logits.dtype} (generate) from a {run} run: {_LOGITS_RULE}")
@@ -943,7 +943,7 @@ def build_goldens(
             model_sha256=sha,
             model_dir=str(model_dir) if model_dir is not None else None,
             backend=backend,
-            dtype=str(getattr(model, "dtype", dtype)).removeprefix("torch."),
+            dtype=run,
             device=str(device),
             steps=per_prompt,
             seed=seed,

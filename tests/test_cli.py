@@ -220,7 +220,7 @@ def test_bisect_device_takes_the_forms_of_cdna2_device(monkeypatch, tmp_path, ca
     assert "--device='gpu': expected cpu, N (or cuda:N), N,M or all" in _err(capsys)
     import pytest_cdna2.engines as engines
 
-    monkeypatch.setattr(engines, "_has_device", lambda dev: True)  # a host that has them (test_bisect: one lacking)
+    monkeypatch.setattr(engines, "has_device", lambda dev: True)  # a host that has them (test_bisect: one lacking)
     for spec in ("mps", "xpu:0", "cuda"):  # another accelerator's torch name, for a user engine: as torch reads it
         assert main(argv + [spec]) == 0
     assert seen[-3:] == ["mps", "xpu:0", "cuda"]

@@ -569,7 +569,7 @@ _MMA_PACKED: dict[tuple[int, ...], tuple] = {}
 MOE_MMA_HEADROOM = 1 << 30  # bytes a repack leaves free beyond its copy and the largest stack's transient chunks
 # (the step's activations, mma_repack's int64 intermediates: ~0.3 GB at V4-Flash's widths)
 _MMA_NO_ROOM: set[torch.device] = set()
-_MMA_NO_ROOM_STACKS: dict[tuple[int, ...], list] = {}  # stacks refused once, so each keeps the stream path
+_MMA_NO_ROOM_STACKS: dict[tuple[int, ...], tuple] = {}  # stacks refused once, so each keeps the stream path
 
 
 def _mma_pdl(device: torch.device) -> bool:
@@ -597,12 +597,25 @@ def _mma_on(x: torch.Tensor, inter: int, k: int) -> bool:
             and t * k * max(inter, d) // 16 <= LOCKS)
 
 
+def _entry(table: dict, ts: list[torch.Tensor]) -> tuple | None:
+    """`table`'s entry (weakrefs of ts, ...) for these very tensors, or None (an id reused by a new tensor too)."""
+    hit = table.get(tuple(id(t) for t in ts))
+    if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
+        return None
+    return hit
+
+
+def _remember(table: dict, ts: list[torch.Tensor], *value: object) -> None:
+    """table[ids of ts] = (weakrefs of ts, *value), dropped with the first of ts to go (e.g. a replaced scale)."""
+    key = tuple(id(t) for t in ts)
+    table[key] = ([weakref.ref(t) for t in ts], *value)
+    for t in ts:
+        weakref.finalize(t, table.pop, key, None)
+
+
 def _mma_cached(ts: list[torch.Tensor]) -> tuple | None:
     """The repack entry of these code and scale tensors (any version), or None."""
-    hit = _MMA_PACKED.get(tuple(id(t) for t in ts))
-    if hit is not None and not all(ref() is t for ref, t in zip(hit[0], ts, strict=True)):
-        return None  # an id reused by a new tensor
-    return hit
+    return _entry(_MMA_PACKED, ts)
 
 
 def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
@@ -612,10 +625,8 @@ def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
     if device.type != "cuda":
         return True  # meta tensors (the ISA tier's launch recording): no memory to run out of
     tensors = [[t for w in ws for t in (w.data, w.scale)] for ws in stacks]
-    key = tuple(id(t) for ts in tensors for t in ts)
-    refused = _MMA_NO_ROOM_STACKS.get(key)
-    if refused is not None and all(ref() is t for ref, t in zip(refused, (t for ts in tensors for t in ts),
-                                                                   strict=True)):
+    flat = [t for ts in tensors for t in ts]
+    if _entry(_MMA_NO_ROOM_STACKS, flat) is not None:
         return False  # decided once: a layer keeps its path (the two differ in the last bits)
     sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in tensors if _mma_cached(ts) is None]
     if not sizes:
@@ -627,10 +638,7 @@ def _mma_room(device: torch.device, *stacks: tuple[QWeight, ...]) -> bool:
     need = sum(sizes)
     if need + max(sizes) + MOE_MMA_HEADROOM <= free:  # + the largest: its chunks and their cat live at once
         return True
-    flat = [t for ts in tensors for t in ts]
-    _MMA_NO_ROOM_STACKS[key] = [weakref.ref(t) for t in flat]
-    for t in flat:
-        weakref.finalize(t, _MMA_NO_ROOM_STACKS.pop, key, None)
+    _remember(_MMA_NO_ROOM_STACKS, flat)
     if device not in _MMA_NO_ROOM:
         _MMA_NO_ROOM.add(device)
         warnings.warn(f"{device}: the MXFP4 tensor-core path needs a repacked copy of each layer's experts "
@@ -677,9 +685,7 @@ def _mma_weights(*ws: QWeight) -> tuple[torch.Tensor, torch.Tensor, bool]:
         hit[3].copy_(packed[1])
         _MMA_PACKED[key] = (hit[0], versions, hit[2], hit[3])
         return hit[2], hit[3], True
-    _MMA_PACKED[key] = ([weakref.ref(t) for t in ts], versions, *packed)
-    for t in ts:  # dropped with the first of its tensors to go (e.g. a replaced scale)
-        weakref.finalize(t, _MMA_PACKED.pop, key, None)
+    _remember(_MMA_PACKED, ts, versions, *packed)
     return (*packed, True)
 
 
