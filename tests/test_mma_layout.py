@@ -329,8 +329,40 @@ def test_no_room_for_the_repack_runs_as_with_the_path_off_gpu(t, monkeypatch):
         assert ((got.double() - want).norm() / want.norm()).item() <= 5e-3  # as test_moe_experts_tensor_core_gpu
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
+@pytest.mark.parametrize("ks,with_shared,pdl", [(2, True, True), (1, False, True), (4, True, False)])
+def test_one_token_split_by_channels_gpu(ks, with_shared, pdl, monkeypatch):
+    """MOE_MMA_ONE (a program per 64-channel chunk and pair, then a sum launch) within the bound of the per-phase
+    pair against the reference, bit-reproducible, its scratch poisoned (the chunk's h fills half of each hb row: the
+    other half's lanes must stay inactive), at each K split of gate/up over a program's warps."""
+    monkeypatch.setattr(tri, "POISON", True)
+    monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)
+    dev = torch.device("cuda")
+    x1 = torch.zeros(1, 4096, dtype=torch.bfloat16, device=dev)
+    if not tri._mma_on(x1, 2048, 6):
+        pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "on", True)
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "KS", ks)
+    assert tri._mma_one_on(x1, 2048)
+    ran = []
+    monkeypatch.setattr(tri, "_mma_one", lambda *a, _f=tri._mma_one: ran.append(1) or _f(*a))
+    g = torch.Generator(dev).manual_seed(15 + ks)
+    e, d, k = 16, 4096, 6
+    w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True, t=1)
+    shared = (torch.randn(1, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
+    got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
+    assert ran, "the channel-split path did not run"
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, None if shared is None else shared.double())
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err <= 5e-3, err  # as test_moe_experts_tensor_core_gpu: the output's own bf16 rounding is ~2e-3
+    assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)), "not bit-reproducible"
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "on", False)
+    pair = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
+    assert ((got.double() - pair.double()).norm() / want.norm()).item() <= 5e-3
+
+
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_8", "moe_mma_down_4",
-                                  "moe_mma_gate_up_two", "moe_mma_down_two"])
+                                  "moe_mma_gate_up_two", "moe_mma_down_two", "moe_mma_one"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

@@ -722,6 +722,43 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
     return c
 
 
+# One token on the tensor cores split by channels instead of by phase (kernels/mma.py `moe_mma_one_kernel`: a program
+# per (64-channel chunk, pair) does gate/up, SwiGLU and down's columns for its channels; a second launch adds the
+# chunks). KS: gate/up's K parts a program (its warps: 4 KS). Off until the H200 has timed it against the pair.
+MOE_MMA_ONE = {"on": False, "KS": 2, "BLOCK_D": 32}
+
+
+def _mma_one_on(x: torch.Tensor, inter: int) -> bool:
+    """One token, MOE_MMA_ONE on, and shapes its tiles divide (each warp 4 x 16 rows of D a step)."""
+    d, ks = x.shape[1], MOE_MMA_ONE["KS"]
+    return bool(MOE_MMA_ONE["on"]) and x.shape[0] == 1 and inter % 128 == 0 and d % (128 * ks) == 0 \
+        and d % (16 * 16 * ks) == 0 and d % MOE_MMA_ONE["BLOCK_D"] == 0
+
+
+def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.Tensor, weights: torch.Tensor,
+             limit: float, shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """moe_experts for one token by `moe_mma_one_kernel` and its sum launch (the shared expert, when a callable,
+    runs between them)."""
+    wu, su, _ = _mma_weights(w1, w3)
+    wd, sd, _ = _mma_weights(w2)
+    k, inter, d, ks = idx.shape[1], w1.data.shape[1], x.shape[1], MOE_MMA_ONE["KS"]
+    n = k * (inter // 64)
+    hx = _empty(n, ks, 2, 64, dtype=torch.float32, device=x.device)
+    hb = _empty(n, 256, dtype=torch.bfloat16, device=x.device)
+    part = _empty(n, d, dtype=torch.float32, device=x.device)
+    pdl = _mma_pdl(x.device)
+    _Launch(x)("moe_mma_one_kernel", (inter // 64, k), x, wu, su, wd, sd, idx.reshape(-1),
+               weights.reshape(-1).float(), hx, hb, part, inter, d, float(limit or 0.0),
+               HAS_LIMIT=bool(limit and limit > 0), KS=ks, PDL=pdl, num_warps=4 * ks)
+    if callable(shared):
+        shared = shared()
+    out = _empty(*x.shape, dtype=x.dtype, device=x.device)
+    bd = MOE_MMA_ONE["BLOCK_D"]
+    _Launch(x)("moe_mma_one_sum_kernel", (d // bd,), part, out, out if shared is None else shared.contiguous(), d, n,
+               HAS_ADD=shared is not None, NP=_pow2(n), BLOCK_D=bd, PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return out
+
+
 def moe_gate_up(x: torch.Tensor, w1: QWeight, w3: QWeight, plan: tuple, limit: float,
                 mma: bool | None = None) -> torch.Tensor:
     """One grouped launch: h [T*k, I] (fp32, sorted-pair rows) = swiglu(W1 x, W3 x) per selected expert; on the
@@ -796,6 +833,8 @@ def moe_experts(
     t, d = x.shape
     x = x.contiguous()
     mma = _mma_use(x, w1, w3, w2, idx.shape[1])
+    if mma and _mma_one_on(x, w1.data.shape[1]):
+        return _mma_one(x, w1, w3, w2, idx, weights, limit, shared)
     plan = moe_prepare(x, idx, w1.data.shape[0], mma)
     h = moe_gate_up(x, w1, w3, plan, limit, mma)
     if callable(shared):

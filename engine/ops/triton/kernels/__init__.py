@@ -35,7 +35,13 @@ from .base import PDL_AVAILABLE
 from .dense import dense_gemv_kernel, dense_mma_kernel
 from .fp8 import fp8_stream_kernel, matmul_kernel
 from .mhc import hc_mix_dot_kernel, hc_mix_partial_kernel, hc_post_kernel, hc_pre_kernel
-from .mma import fp8_mma_kernel, moe_mma_down_kernel, moe_mma_gate_up_kernel
+from .mma import (
+    fp8_mma_kernel,
+    moe_mma_down_kernel,
+    moe_mma_gate_up_kernel,
+    moe_mma_one_kernel,
+    moe_mma_one_sum_kernel,
+)
 from .moe import moe_down_kernel, moe_gate_up_kernel, moe_pair_rows_kernel, moe_sum_kernel, swiglu_kernel
 from .norm_rope import rms_norm_kernel, rope_cos_sin_kernel, rope_kernel
 from .specs import ISA_SPECS, ISA_SPECS_SM90
@@ -46,7 +52,8 @@ __all__ = [
     "attention_combine_kernel", "attention_kernel", "compress_finish_kernel", "compress_pool_kernel",
     "dense_gemv_kernel", "dense_mma_kernel", "fp8_mma_kernel", "fp8_stream_kernel", "hc_mix_dot_kernel",
     "hc_mix_partial_kernel", "hc_post_kernel", "hc_pre_kernel", "index_scores_kernel", "matmul_kernel",
-    "moe_down_kernel", "moe_gate_up_kernel", "moe_mma_down_kernel", "moe_mma_gate_up_kernel", "moe_pair_rows_kernel",
+    "moe_down_kernel", "moe_gate_up_kernel", "moe_mma_down_kernel", "moe_mma_gate_up_kernel", "moe_mma_one_kernel",
+    "moe_mma_one_sum_kernel", "moe_pair_rows_kernel",
     "moe_sum_kernel", "rms_norm_kernel", "rope_cos_sin_kernel", "rope_kernel", "route_kernel", "swiglu_kernel",
     "topk_kernel", "topk_sort_kernel",
 ]

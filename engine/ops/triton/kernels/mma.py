@@ -441,6 +441,170 @@ def moe_mma_down_kernel(hb_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, wt_ptr, part_ptr,
                          HAS_ADD)
 
 
+# MXFP4 at one token, split by channels instead of by phase (MOE_MMA_ONE): a program owns one pair's chunk of 64
+# channels and does gate/up over all of K for them, the clamped SwiGLU, and down's 64 columns of those channels for
+# every row of D, writing an fp32 partial; `moe_mma_one_sum_kernel` adds the chunks and the pairs. No program waits for
+# another (the per-phase pair above: down waits for gate/up's end, and each phase's K parts for their last arrival).
+# A program is CT x KS warps; its per-thread tensors are [32 CT KS], one element a thread, every address from the
+# hardware thread id (`_thread_roles`), as the one-warp kernels above.
+
+
+@triton.jit
+def _thread_roles(W: tl.constexpr):
+    """(lane, warp, g, t, gg, part) of this thread in a program of W warps (`_lane_roles` per warp)."""
+    tid = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [tl.zeros((32 * W,), dtype=tl.int32)],
+                                    dtype=tl.int32, is_pure=True, pack=1)
+    lane = tid % 32
+    g = lane // 4
+    return lane, tid // 32, g, lane % 4, g // 2, g % 2
+
+
+@triton.jit
+def _half_load(wp, sp):
+    """Half a down tile (its 2 scale groups' 4 mma steps: 512 consecutive bytes a warp) and the lane's scale pair."""
+    w0, w1, w2, w3 = _ld16(wp)
+    return w0, w1, w2, w3, tl.load(sp.to(tl.pointer_type(tl.uint16), bitcast=True))
+
+
+@triton.jit
+def _half_rows(w0, w1, w2, w3, sv, xb0, xb1, xb2, xb3, gg, q0):
+    """Rows g and g + 8 of one 16-row tile over scale groups q0, q0 + 1 (4 mma steps against h's B registers),
+    scales applied and summed over the quad: lanes of the other groups hold zeros (their B columns are inactive)."""
+    c0 = tl.zeros_like(gg).to(tl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c0, c1, c2, c3 = _mma_step(w0, xb0, xb1, gg == q0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w1, xb2, xb3, gg == q0, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w2, xb0, xb1, gg == q0 + 1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = _mma_step(w3, xb2, xb3, gg == q0 + 1, c0, c1, c2, c3)
+    return _quad_sum(_mma_apply(c0, c1, sv & 0xFF)), _quad_sum(_mma_apply(c2, c3, sv >> 8))
+
+
+@triton.jit
+def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_ptr, hb_ptr, part_ptr, I, D, limit,
+                       HAS_LIMIT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    """One token, program (chunk c of 64 channels, pair j), 4 KS warps. Warp (ct, ks) streams the gate and up row
+    tiles 4 c + ct of expert e_ptr[j] (repacked as for `moe_mma_gate_up_kernel`) over K part ks of D; the parts meet
+    in hx [programs, KS, 2, 64] and are added in order, and the clamped SwiGLU gives h x 2^64 split hi + lo in bf16,
+    in hb [programs, 256] where down's lanes read it (`_hb_index`). Then warp w takes the 16-row tiles w, w + 4 KS, ..
+    of D, each against half of down's K tile (the chunk's 2 scale groups), and writes wt[j] times its rows to
+    part [programs, D] (program j (I / 64) + c). PDL: the sum launch may start at once (it waits for this one's end)."""
+    if PDL:
+        gdc_launch_dependents()
+    W: tl.constexpr = 4 * KS
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    pid = j * tl.num_programs(0) + c
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, warp, g, t, gg, part = _thread_roles(W)
+    ct = warp % 4
+    ks = warp // 4
+    ktt = D // 128
+    kt = ktt // KS
+    tile0 = (e * (I // 16) + c * 4 + ct) * 2 * ktt + ks * kt  # the gate row tile's first tile of this part
+    wg = wu_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = su_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    xp = x_ptr + (ks * kt * 128 + gg * 32 + 2 * t)
+    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
+    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
+    x0, x1, x2, x3 = _mma_x(xp, part)
+    gt = tl.zeros((32 * W,), dtype=tl.float32)
+    gb = gt
+    ut = gt
+    ub = gt
+    for i in range(kt):
+        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
+        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
+        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
+        y0, y1, y2, y3 = x0, x1, x2, x3
+        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
+        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
+        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
+        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
+        gt += top
+        gb += bot
+        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
+        ut += top
+        ub += bot
+    hp = hx_ptr + ((pid * KS + ks) * 2) * 64 + ct * 16 + g
+    keep = t == 0
+    tl.store(hp, _quad_sum(gt), mask=keep)
+    tl.store(hp + 8, _quad_sum(gb), mask=keep)
+    tl.store(hp + 64, _quad_sum(ut), mask=keep)
+    tl.store(hp + 72, _quad_sum(ub), mask=keep)
+    tl.debug_barrier()
+    # the K parts added in order (fresh tensors: the thread-role ones must keep one element a thread)
+    q = tl.arange(0, KS)[:, None]
+    at = hx_ptr + (pid * KS + q) * 128 + tl.arange(0, 64)[None, :]
+    gs = tl.sum(tl.load(at, cache_modifier=".cg"), axis=0)
+    us = tl.sum(tl.load(at + 64, cache_modifier=".cg"), axis=0)
+    if HAS_LIMIT:
+        gs = tl.minimum(gs, limit)
+        us = tl.minimum(tl.maximum(us, -limit), limit)
+    h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
+    hi = h.to(tl.bfloat16)
+    lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
+    q0 = (c % 2) * 2  # the chunk's first scale group in its down K tile
+    hbp = hb_ptr + pid * 256 + _hb_index(q0 * 32 + tl.arange(0, 64))
+    tl.store(hbp, hi)
+    tl.store(hbp + 32, lo)
+    tl.debug_barrier()
+    xb0, xb1, xb2, xb3 = _mma_h(hb_ptr + (pid * 256 + lane * 8))  # lanes of the other 2 groups: never active
+    n_rt = D // 16
+    ktd = I // 128
+    tile = (e * n_rt + warp) * ktd + c // 2
+    wp = wd_ptr + (tile * 256 + (c % 2) * 128 + lane * 4)
+    sp = sd_ptr + (tile * 64 + lane * 2)
+    stride = W * ktd  # tiles from one of the warp's row tiles to its next
+    op = part_ptr + (pid * D + warp * 16 + g)
+    wt = tl.load(wt_ptr + j).to(tl.float32)
+    steps = n_rt // W
+    a0, a1, a2, a3, as_ = _half_load(wp, sp)
+    b0, b1, b2, b3, bs = _half_load(wp + stride * 256, sp + stride * 64)
+    c0, c1, c2, c3, cs = _half_load(wp + 2 * stride * 256, sp + 2 * stride * 64)
+    d0, d1, d2, d3, ds = _half_load(wp + 3 * stride * 256, sp + 3 * stride * 64)
+    for i in range(0, steps, 4):
+        p0, p1, p2, p3, ps = a0, a1, a2, a3, as_
+        q0_, q1_, q2_, q3_, qs = b0, b1, b2, b3, bs
+        r0, r1, r2, r3, rs = c0, c1, c2, c3, cs
+        u0, u1, u2, u3, us_ = d0, d1, d2, d3, ds
+        n = tl.minimum(i + 4, steps - 4)  # the last step reloads its own tiles (unused)
+        a0, a1, a2, a3, as_ = _half_load(wp + n * stride * 256, sp + n * stride * 64)
+        b0, b1, b2, b3, bs = _half_load(wp + (n + 1) * stride * 256, sp + (n + 1) * stride * 64)
+        c0, c1, c2, c3, cs = _half_load(wp + (n + 2) * stride * 256, sp + (n + 2) * stride * 64)
+        d0, d1, d2, d3, ds = _half_load(wp + (n + 3) * stride * 256, sp + (n + 3) * stride * 64)
+        top, bot = _half_rows(p0, p1, p2, p3, ps, xb0, xb1, xb2, xb3, gg, q0)
+        tl.store(op + i * W * 16, top * wt, mask=keep)
+        tl.store(op + i * W * 16 + 8, bot * wt, mask=keep)
+        top, bot = _half_rows(q0_, q1_, q2_, q3_, qs, xb0, xb1, xb2, xb3, gg, q0)
+        tl.store(op + (i + 1) * W * 16, top * wt, mask=keep)
+        tl.store(op + (i + 1) * W * 16 + 8, bot * wt, mask=keep)
+        top, bot = _half_rows(r0, r1, r2, r3, rs, xb0, xb1, xb2, xb3, gg, q0)
+        tl.store(op + (i + 2) * W * 16, top * wt, mask=keep)
+        tl.store(op + (i + 2) * W * 16 + 8, bot * wt, mask=keep)
+        top, bot = _half_rows(u0, u1, u2, u3, us_, xb0, xb1, xb2, xb3, gg, q0)
+        tl.store(op + (i + 3) * W * 16, top * wt, mask=keep)
+        tl.store(op + (i + 3) * W * 16 + 8, bot * wt, mask=keep)
+
+
+@triton.jit
+def moe_mma_one_sum_kernel(part_ptr, out_ptr, add_ptr, D, N, HAS_ADD: tl.constexpr, NP: tl.constexpr,
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """out[0, d] = the N partials of `moe_mma_one_kernel` (already weighted) added by one fixed tree (+ add[0, d])."""
+    if PDL:
+        gdc_wait()  # the channel kernel (and every launch before it) done
+    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    q = tl.arange(0, NP)[:, None]
+    tot = tl.sum(tl.load(part_ptr + q * D + d[None, :], mask=q < N, other=0.0), axis=0)
+    if HAS_ADD:
+        tot += tl.load(add_ptr + d).to(tl.float32)
+    tl.store(out_ptr + d, tot.to(out_ptr.dtype.element_ty))
+
+
 # FP8 at a few tokens (2-8 rows: a batched decode step) on the tensor cores (CUDA sm_80+, bf16 x). The checkpoint's
 # own layout, no repack: lane (g, t) loads 32 consecutive bytes of W rows g and g + 8 a step of 128 columns (one scale
 # block); its word i is mma step i's A registers (bytes 0-1: A columns 2t, 2t + 1; bytes 2-3: 2t + 8, 2t + 9), and its

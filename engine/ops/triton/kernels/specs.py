@@ -14,7 +14,13 @@ from .base import PDL_AVAILABLE
 from .dense import dense_gemv_kernel, dense_mma_kernel
 from .fp8 import fp8_stream_kernel, matmul_kernel
 from .mhc import hc_mix_dot_kernel, hc_mix_partial_kernel, hc_post_kernel, hc_pre_kernel
-from .mma import fp8_mma_kernel, moe_mma_down_kernel, moe_mma_gate_up_kernel
+from .mma import (
+    fp8_mma_kernel,
+    moe_mma_down_kernel,
+    moe_mma_gate_up_kernel,
+    moe_mma_one_kernel,
+    moe_mma_one_sum_kernel,
+)
 from .moe import moe_down_kernel, moe_gate_up_kernel, moe_pair_rows_kernel, moe_sum_kernel, swiglu_kernel
 from .norm_rope import rms_norm_kernel, rope_cos_sin_kernel, rope_kernel
 from .topk import route_kernel, topk_kernel, topk_sort_kernel
@@ -267,6 +273,13 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down_two", moe_mma_down_kernel,  # (MOE_MMA SPLITS)
      _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
+    ("moe_mma_one", moe_mma_one_kernel,  # one token split by channels (MOE_MMA_ONE), 8 warps
+     _sig("x_ptr wu_ptr su_ptr wd_ptr sd_ptr e_ptr wt_ptr hx_ptr hb_ptr part_ptr I D limit",
+          "*bf16 *i32 *u8 *i32 *u8 *i64 *fp32 *fp32 *bf16 *fp32 i32 i32 fp32", HAS_LIMIT=True, KS=2,
+          PDL=PDL_AVAILABLE), 8, True),
+    ("moe_mma_one_sum", moe_mma_one_sum_kernel,
+     _sig("part_ptr out_ptr add_ptr D N", "*fp32 *bf16 *bf16 i32 i32", HAS_ADD=True, NP=256, BLOCK_D=32,
+          PDL=PDL_AVAILABLE), 4, False),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
           STREAM=True, PRMT=True), 4, False),
