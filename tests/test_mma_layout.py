@@ -182,6 +182,18 @@ def test_k_splits_follow_the_token_count_rows(monkeypatch):
     assert got == [(4, 2), (4, 2), (4, 2), (8, 1), (8, 1), (1, 1), (1, 1)]
 
 
+def rel_by_rows(got: torch.Tensor, want: torch.Tensor, w2: QWeight) -> float:
+    """The larger of the relative errors over the output rows whose down weights hold a scale byte past 192 (2^65 and
+    up: they dwarf the rest) and over the other rows, so an error in either set shows."""
+    big = (w2.scale.view(torch.uint8) > 192).any(dim=-1).any(dim=0).to(got.device)  # [D]
+    err = 0.0
+    for rows in (big, ~big):
+        if rows.any():
+            g, w = got.double()[..., rows], want[..., rows]
+            err = max(err, ((g - w).norm() / w.norm()).item())
+    return err
+
+
 def gpu_moe_inputs(g: torch.Generator, e: int, k: int, scale_200: bool, t: int = 1) -> tuple:
     """Random MXFP4 expert stacks at V4-Flash widths (D 4096, I 2048) on g's GPU, t bf16 tokens, k distinct experts
     each and their weights. scale_200: some scale bytes past 192 (2^73), where a decode that folds 2^62 into the
@@ -220,7 +232,7 @@ def test_moe_experts_tensor_core_gpu(t, with_shared, pdl, monkeypatch):
     got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0,
                            None if shared is None else shared.double())
-    err = ((got.double() - want).norm() / want.norm()).item()
+    err = rel_by_rows(got, want, w2)
     assert err <= 5e-3, err  # the output's own bf16 rounding is ~2^-9 = 2e-3
     assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)), "not bit-reproducible"
     hb = tri.moe_gate_up(x, w1, w3, tri.moe_prepare(x, idx, e), 7.0)
@@ -287,7 +299,7 @@ def test_two_pairs_a_row_is_bit_identical_gpu(t, e, with_shared, monkeypatch):
     assert torch.equal(hb, tri.moe_gate_up(x, w1, w3, plan1, 7.0))
     assert torch.equal(unsummed, tri.moe_down(hb, w2, wt, plan1))
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, None if shared is None else shared.double())
-    assert ((two.double() - want).norm() / want.norm()).item() <= 5e-3  # as test_moe_experts_tensor_core_gpu
+    assert rel_by_rows(two, want, w2) <= 5e-3  # as test_moe_experts_tensor_core_gpu
     assert not tri._locks(dev, 0).any()
 
 
@@ -326,7 +338,7 @@ def test_no_room_for_the_repack_runs_as_with_the_path_off_gpu(t, monkeypatch):
     assert all(tri._mma_cached(ts) is not None for ts in stacks)  # the tensor-core path ran
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0)
     for got in (tight, roomy):
-        assert ((got.double() - want).norm() / want.norm()).item() <= 5e-3  # as test_moe_experts_tensor_core_gpu
+        assert rel_by_rows(got, want, w2) <= 5e-3  # as test_moe_experts_tensor_core_gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
@@ -353,12 +365,12 @@ def test_one_token_split_by_channels_gpu(ks, with_shared, pdl, monkeypatch):
     got = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
     assert ran, "the channel-split path did not run"
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, None if shared is None else shared.double())
-    err = ((got.double() - want).norm() / want.norm()).item()
+    err = rel_by_rows(got, want, w2)
     assert err <= 5e-3, err  # as test_moe_experts_tensor_core_gpu: the output's own bf16 rounding is ~2e-3
     assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)), "not bit-reproducible"
     monkeypatch.setitem(tri.MOE_MMA_ONE, "on", False)
     pair = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
-    assert ((got.double() - pair.double()).norm() / want.norm()).item() <= 5e-3
+    assert rel_by_rows(got, pair.double(), w2) <= 5e-3
 
 
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_8", "moe_mma_down_4",

@@ -739,9 +739,12 @@ def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.
              limit: float, shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor:
     """moe_experts for one token by `moe_mma_one_kernel` and its sum launch (the shared expert, when a callable,
     runs between them)."""
+    k, inter, d, ks = idx.shape[1], w1.data.shape[1], x.shape[1], MOE_MMA_ONE["KS"]
+    if not _mma_one_on(x, inter):
+        raise ValueError(f"MOE_MMA_ONE {MOE_MMA_ONE} does not take x {tuple(x.shape)} with experts {inter} wide: "
+                         "one token, widths its tiles divide (`_mma_one_on`)")
     wu, su, _ = _mma_weights(w1, w3)
     wd, sd, _ = _mma_weights(w2)
-    k, inter, d, ks = idx.shape[1], w1.data.shape[1], x.shape[1], MOE_MMA_ONE["KS"]
     n = k * (inter // 64)
     hx = _empty(n, ks, 2, 64, dtype=torch.float32, device=x.device)
     hb = _empty(n, 256, dtype=torch.bfloat16, device=x.device)

@@ -1,0 +1,99 @@
+"""The inline-PTX tensor-core kernels (kernels/mma.py) in Triton's interpreter on the CPU, their PTX run by
+tests/ptx_emulator.py (a reading of the PTX ISA), against the float64 reference at small shapes.
+
+The per-phase MXFP4 pair and the FP8 kernel are the ones the H200 runs (tests/test_mma_layout.py `*_gpu`): passing
+here they also check the emulator's reading. Tolerances: the interpreter converts fp32 to bf16 by truncation
+(tests/test_triton_kernels.py runs no bf16 for this reason), so a bf16 output is within one bf16 ulp (2^-7 relative)
+of its fp32 value; the kernels' own error (h split hi + lo in bf16) is ~2^-16. fp32 outputs: 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ptx_emulator import installed
+from test_mma_layout import rel_by_rows
+
+from cdna2_engine.ops import QWeight
+from cdna2_engine.ops import reference as ref
+from cdna2_engine.ops import triton as tri
+
+BF16_OUT = 2.0**-7  # one bf16 ulp relative: the interpreter's truncating store of the bf16 output
+
+
+def moe_inputs(seed: int, d: int, inter: int, e: int = 4, k: int = 2, t: int = 1) -> tuple:
+    """MXFP4 stacks (some scales past 192, where a decode folding 2^62 into the exponent wraps), t bf16 tokens, k
+    distinct experts each, their weights and a shared-expert output."""
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(n: int, kk: int) -> QWeight:
+        b = torch.randint(-128, 128, (e, n, kk // 2), generator=g, dtype=torch.int32).to(torch.int8)
+        s = torch.randint(118, 128, (e, n, kk // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+        s[:, ::37, ::5] = 200
+        return QWeight(b, s.view(torch.float8_e8m0fnu), "mxfp4")
+
+    w1, w3, w2 = weight(inter, d), weight(inter, d), weight(d, inter)
+    x = (torch.randn(t, d, generator=g) * 0.2).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    shared = (torch.randn(t, d, generator=g) * 0.05).to(torch.bfloat16)
+    return w1, w3, w2, x, idx, torch.rand(t, k, generator=g), shared
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # SwiGLU's exp(-g) at large |g|
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(tri, "POISON", True)  # every buffer the kernels write starts as NaN
+    with installed():
+        yield
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_pair_in_the_interpreter(emulated, t):
+    """gate/up then down (`moe_mma_gate_up_kernel`, `moe_mma_down_kernel`; K split 4 x 2 at one token, 4 x 1 at
+    four): each token's k pairs summed in the down launch with the shared expert."""
+    w1, w3, w2, x, idx, wt, shared = moe_inputs(21 + t, d=512, inter=512 // t, t=t)  # down's split: 2 / 1
+    plan = tri.moe_prepare(x, idx, 4, mma=True)
+    hb = tri.moe_gate_up(x, w1, w3, plan, 7.0, mma=True)
+    assert hb.dim() == 3  # the tensor-core gate/up ran
+    got = tri.moe_down(hb, w2, wt, plan, out=torch.empty_like(x), add=shared)
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, shared.double())
+    assert rel_by_rows(got, want, w2) <= BF16_OUT
+
+
+@pytest.mark.parametrize("ks,d", [(1, 512), (2, 512), (4, 1024)])
+def test_channel_split_in_the_interpreter(emulated, ks, d, monkeypatch):
+    """MOE_MMA_ONE's kernel and sum launch: each K split of gate/up over a program's warps (their parts met through
+    hx), h in half of each hb row (the poisoned other half must stay out), the shared expert added."""
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "KS", ks)
+    w1, w3, w2, x, idx, wt, shared = moe_inputs(31 + ks, d=d, inter=256)
+    assert tri._mma_one_on(x, 256) is False  # off by default: the launch below is called directly
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "on", True)
+    assert tri._mma_one_on(x, 256)
+    got = tri._mma_one(x, w1, w3, w2, idx, wt, 7.0, lambda: shared)
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, shared.double())
+    assert not got.isnan().any()
+    assert rel_by_rows(got, want, w2) <= BF16_OUT
+    plain = tri._mma_one(x, w1, w3, w2, idx, wt, 7.0, None)
+    assert rel_by_rows(plain, ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0), w2) <= BF16_OUT
+
+
+def test_fp8_mma_in_the_interpreter(emulated, monkeypatch):
+    """`fp8_mma_kernel` (2-8 tokens, K split with the last arrival's sum), taken as on an sm_90 GPU, fp32 out."""
+    monkeypatch.setattr(tri, "_cuda_cc", lambda device: (9, 0))
+    g = torch.Generator().manual_seed(41)
+    m, r, k = 3, 64, 512
+    bits = torch.randint(0, 256, (r, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x38  # no E4M3 NaN codes
+    scale = torch.randint(120, 130, (1, k // 128), generator=g, dtype=torch.int32).to(torch.uint8)
+    w = QWeight(bits.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), "fp8")
+    x = (torch.randn(m, 1, k, generator=g) * 0.5).to(torch.bfloat16)
+    assert tri._fp8_mma_on(x, tri._u8(w.data), r, k)
+    got = tri._fp8_grouped(x, w, 1, torch.float32)
+    want = ref.linear(x.double().reshape(m, k), w)
+    assert rel(got.reshape(m, r), want) <= 1e-4
