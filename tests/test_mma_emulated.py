@@ -54,10 +54,14 @@ def emulated(monkeypatch):
 
 
 @pytest.mark.parametrize("t", [1, 4])
-def test_pair_in_the_interpreter(emulated, t):
+def test_pair_in_the_interpreter(emulated, t, monkeypatch):
     """gate/up then down (`moe_mma_gate_up_kernel`, `moe_mma_down_kernel`; K split 4 x 2 at one token, 4 x 1 at
     four): each token's k pairs summed in the down launch with the shared expert."""
-    w1, w3, w2, x, idx, wt, shared = moe_inputs(21 + t, d=512, inter=512 // t, t=t)  # down's split: 2 / 1
+    inter = 512 if t == 1 else 256  # down's K split: 2 / 1 (`_mma_splits`)
+    w1, w3, w2, x, idx, wt, shared = moe_inputs(21 + t, d=512, inter=inter, t=t)
+    monkeypatch.setattr(tri, "_cuda_cc", lambda device: (9, 0))
+    assert tri._mma_on(x, inter, 2)  # shapes the launches take
+    monkeypatch.setattr(tri, "_cuda_cc", lambda device: (0, 0))  # no programmatic dependent launch
     plan = tri.moe_prepare(x, idx, 4, mma=True)
     hb = tri.moe_gate_up(x, w1, w3, plan, 7.0, mma=True)
     assert hb.dim() == 3  # the tensor-core gate/up ran
