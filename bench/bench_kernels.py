@@ -278,6 +278,9 @@ def moe_pair(w1: QWeight, w3: QWeight, w2: QWeight):
     """The routed experts' gate/up and down launches for one routing (x, idx, weights, moe_prepare's plan, ...), as
     the benchmarks time them: the pair-rows table is the routing's, so it is rebuilt with the launches."""
     def run(x, idx, wt, plan, *_):
+        if tri._mma_device(x) and tri._mma_one_on(x, w1.data.shape[1]):  # one token split by channels (MOE_MMA_ONE)
+            tri._mma_one(x, w1, w3, w2, idx, wt, 10.0, None)
+            return
         if plan[-2] is not None:
             plan = (*plan[:-2], tri._pair_rows(idx), plan[-1])
         tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 10.0), w2, wt, plan)
