@@ -93,7 +93,7 @@ def _value(tok: str, regs: dict[str, np.ndarray], n: int) -> np.ndarray:
     return np.full(n, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
 
 
-def _run(asm: str, regs: dict[str, np.ndarray], n: int) -> None:
+def run_block(asm: str, regs: dict[str, np.ndarray], n: int) -> None:
     """Execute the straight-line block on regs (name -> uint32 [n]), writing its destinations in place."""
     for ins in asm.replace("{", " ").replace("}", " ").split(";"):
         ins = ins.strip()
@@ -144,7 +144,7 @@ def emulate(self, asm, constraints, values, types, is_pure, pack):  # noqa: ARG0
     for i, v in enumerate(values):
         data = np.broadcast_to(v.data, (n,))
         regs[f"${n_out + i}"] = data.astype(np.uint64) if cons[n_out + i] == "l" else _u32(data)
-    _run(asm, regs, n)
+    run_block(asm, regs, n)
     out = []
     for i, ty in enumerate(types):
         scalar = ty.scalar if hasattr(ty, "scalar") else ty

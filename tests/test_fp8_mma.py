@@ -1,8 +1,9 @@
 """The few-token tensor-core FP8 linear (kernels/mma.py `fp8_mma_kernel`) against independent readings of it.
 
-The kernel is inline PTX (GPU only: the GPU tests below and bench/probe_fp8.py --mma run it). On the CPU:
-- the E4M3 -> bf16 decode is executed from the kernel's own PTX text by a small evaluator of its three
-  instructions (prmt with sign replication, shl, and), for all 256 codes, against torch's float8_e4m3fn;
+The kernel is inline PTX (the GPU tests below and bench/probe_fp8.py --mma run it; tests/test_mma_emulated.py in the
+interpreter). On the CPU:
+- the E4M3 -> bf16 decode is executed from the kernel's own PTX text (tests/ptx_emulator.py: prmt with sign
+  replication, shl, and), for all 256 codes, against torch's float8_e4m3fn;
 - the operand mapping (which bytes and which tokens' x values a lane feeds to which mma step) is replayed through
   the PTX ISA's m16n8k16 fragment tables and must give W @ x for each token exactly;
 - the kernel assembles for sm_80, where the path turns on.
@@ -14,8 +15,10 @@ from __future__ import annotations
 import inspect
 import re
 
+import numpy as np
 import pytest
 import torch
+from ptx_emulator import run_block
 
 from cdna2_engine.ops import QWeight
 from cdna2_engine.ops import reference as ref
@@ -26,39 +29,13 @@ from cdna2_engine.ops.triton.kernels import mma
 M32 = 0xFFFFFFFF
 
 
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is source byte (sel nibble i) & 7 of {b, a}; nibble bit 3
-    replicates that byte's sign bit over the 8 bits instead."""
-    src = ((b & M32) << 32) | (a & M32)
-    out = 0
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = (src >> (8 * (nib & 7))) & 0xFF
-        if nib & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def run_decode_ptx(word: int) -> tuple[int, int]:
-    """Execute `_e4m3_bf16x2`'s PTX text on one word (outputs $0, $1)."""
+def run_decode_ptx(words: list[int]) -> tuple[list[int], list[int]]:
+    """Execute `_e4m3_bf16x2`'s PTX text (tests/ptx_emulator.py: prmt with sign replication, shl, and) on words
+    (outputs $0, $1)."""
     asm = re.search(r'"\{(.*?)\}"', inspect.getsource(mma._e4m3_bf16x2.fn).replace('"\n        "', ""), re.S).group(1)
-    regs = {"$2": word}
-    for ins in filter(None, (s.strip() for s in asm.split(";"))):
-        op, rest = ins.split(None, 1)
-        args = [a.strip() for a in rest.split(",")]
-        if op.startswith(".reg"):
-            continue
-        val = lambda a: int(a, 16) if a.startswith("0x") else (int(a) if a.isdigit() else regs[a])  # noqa: E731
-        if op == "prmt.b32":
-            regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
-        elif op == "shl.b32":
-            regs[args[0]] = (val(args[1]) << val(args[2])) & M32
-        elif op == "and.b32":
-            regs[args[0]] = val(args[1]) & val(args[2])
-        else:
-            raise AssertionError(f"the evaluator does not know {op}")
-    return regs["$0"], regs["$1"]
+    regs = {"$2": np.array(words, dtype=np.uint32)}
+    run_block(asm, regs, len(words))
+    return regs["$0"].tolist(), regs["$1"].tolist()
 
 
 def bf16_halves(reg: int) -> tuple[float, float]:
@@ -75,8 +52,8 @@ def test_decode_ptx_is_exact_for_every_code():
     lanes = torch.stack([torch.arange(256), torch.arange(255, -1, -1), torch.randperm(256, generator=g),
                          torch.randperm(256, generator=g)], dim=1)  # [256 words, 4 bytes]: each code at each byte
     want = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn).double()
-    for codes in lanes.tolist():
-        p, q = run_decode_ptx(codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24)
+    words = [c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24 for c in lanes.tolist()]
+    for codes, p, q in zip(lanes.tolist(), *run_decode_ptx(words), strict=True):
         for c, v in zip(codes, (*bf16_halves(p), *bf16_halves(q)), strict=True):
             v *= 2.0**120
             if c & 0x7F == 0x7F:
