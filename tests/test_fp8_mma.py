@@ -26,8 +26,6 @@ from cdna2_engine.ops import triton as tri
 from cdna2_engine.ops.triton import kernels as K
 from cdna2_engine.ops.triton.kernels import mma
 
-M32 = 0xFFFFFFFF
-
 
 def run_decode_ptx(words: list[int]) -> tuple[list[int], list[int]]:
     """Execute `_e4m3_bf16x2`'s PTX text (tests/ptx_emulator.py: prmt with sign replication, shl, and) on words

@@ -1,12 +1,12 @@
 """The tensor-core MXFP4 layout (engine/ops/triton/mma_layout.py) against an independent reading of it.
 
 The kernels themselves are inline PTX (bench/probe_mma.py and the GPU tests below check them on a GPU,
-tests/test_mma_emulated.py in the interpreter). Here the
-repacked words are read back the way mma.sync m16n8k16 consumes them, per the PTX ISA's fragment table: lane
-4g + t's A register j holds (row g + 8 (j & 1), column 2t + 8 (j >> 1) + h) in its half h, and the accumulator
-lane 4g + t holds rows g, g + 8 of column pair (2t, 2t + 1), here scale group t. Each register is made by the
-kernel's own bit recipe (`_a_regs`, its body run on torch tensors), read as bf16, times 2^126. The product with
-x must equal the dequantized reference exactly (every value and product is exact in float64).
+tests/test_mma_emulated.py in the interpreter). Here the repacked words are read back the way mma.sync m16n8k16
+consumes them, per the PTX ISA's fragment table: lane 4g + t's A register j holds (row g + 8 (j & 1), column
+2t + 8 (j >> 1) + h) in its half h, and the accumulator lane 4g + t holds rows g, g + 8 of column pair (2t, 2t + 1),
+here scale group t. Each register is made by the kernel's own bit recipe (`_a_regs`, its body run on torch
+tensors), read as bf16, times 2^126. The product with x must equal the dequantized reference exactly (every value
+and product is exact in float64).
 """
 
 from __future__ import annotations
