@@ -2,7 +2,8 @@
 pair (gate/up, then down) it would replace, at V4-Flash shapes: both checked against the float64 reference, then
 timed in CUDA graphs over 24 routings (beyond the L2), rounds interleaving the forms; bytes as mma_splits.py's.
 
-    python bench/probe_mma_one.py [--ks 1,2,4] [--rounds 5] [--out DIR]   # on the GPU
+    python bench/probe_mma_one.py [--forms 4x1,4x2,4x4,8x1,8x2] [--rounds 5] [--out DIR]   # on the GPU
+    (a form CTxKS: 16 CT channels a program, KS K parts of gate/up over its warps)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ tri, ref = B.tri, B.ref
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ks", default="1,2,4")
+    ap.add_argument("--forms", default="4x1,4x2,4x4,8x1,8x2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -30,16 +31,17 @@ def main() -> None:
     sets = S.routings(1)
     # bench_kernels.py moe_bench's count (mxfp4_gemv_m1_frac's): experts + the pair's activations
     nbytes = statistics.mean(s[3] for s in sets) * per_expert + B.HID * 2 + B.TOPK * B.INTER * 8 + B.TOPK * B.HID * 4
-    forms = {"pair": None, **{f"one KS={k}": int(k) for k in a.ks.split(",")}}
+    forms = {"pair": None, **{f"one {f}": tuple(int(v) for v in f.split("x")) for f in a.forms.split(",")}}
     results, times = {"checks": {}}, {}
     x, idx, wt, _ = sets[0]
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 10.0)
 
-    def use(ks: int | None) -> None:
-        tri.MOE_MMA_ONE.update(on=ks is not None, KS=ks or 2)
+    def use(form: tuple[int, int] | None) -> None:
+        ct, ks = form or (4, 2)
+        tri.MOE_MMA_ONE.update(on=form is not None, CT=ct, KS=ks)
 
-    for name, ks in forms.items():
-        use(ks)
+    for name, form in forms.items():
+        use(form)
         err = B.rel(tri.moe_experts(x, w1, w3, w2, idx, wt, 10.0), want)
         B.check(results, f"moe T=1 {name}", err)
         if err <= 1e-2:

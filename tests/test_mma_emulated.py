@@ -70,12 +70,14 @@ def test_pair_in_the_interpreter(emulated, t, monkeypatch):
     assert rel_by_rows(got, want, w2) <= BF16_OUT
 
 
-@pytest.mark.parametrize("ks,d", [(1, 512), (2, 512), (4, 1024)])
-def test_channel_split_in_the_interpreter(emulated, ks, d, monkeypatch):
-    """MOE_MMA_ONE's kernel and sum launch: each K split of gate/up over a program's warps (their parts met through
-    hx), h in half of each hb row (the poisoned other half must stay out), the shared expert added."""
+@pytest.mark.parametrize("ct,ks,d", [(4, 1, 512), (4, 2, 512), (4, 4, 1024), (8, 1, 512), (8, 2, 1024)])
+def test_channel_split_in_the_interpreter(emulated, ct, ks, d, monkeypatch):
+    """MOE_MMA_ONE's kernel and sum launch: 64 channels a program (h in half of each hb row: the poisoned other
+    half must stay out) or 128, each K split of gate/up over a program's warps (their parts met through hx), the
+    shared expert added."""
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "CT", ct)
     monkeypatch.setitem(tri.MOE_MMA_ONE, "KS", ks)
-    w1, w3, w2, x, idx, wt, shared = moe_inputs(31 + ks, d=d, inter=256)
+    w1, w3, w2, x, idx, wt, shared = moe_inputs(31 + ct + ks, d=d, inter=256)
     assert tri._mma_one_on(x, 256) is False  # off by default: the launch below is called directly
     monkeypatch.setitem(tri.MOE_MMA_ONE, "on", True)
     assert tri._mma_one_on(x, 256)

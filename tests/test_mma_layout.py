@@ -343,11 +343,12 @@ def test_no_room_for_the_repack_runs_as_with_the_path_off_gpu(t, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX mma.sync: needs a CUDA GPU (sm_80+)")
-@pytest.mark.parametrize("ks,with_shared,pdl", [(2, True, True), (1, False, True), (4, True, False)])
-def test_one_token_split_by_channels_gpu(ks, with_shared, pdl, monkeypatch):
-    """MOE_MMA_ONE (a program per 64-channel chunk and pair, then a sum launch) within the bound of the per-phase
-    pair against the reference, bit-reproducible, its scratch poisoned (the chunk's h fills half of each hb row: the
-    other half's lanes must stay inactive), at each K split of gate/up over a program's warps."""
+@pytest.mark.parametrize("ct,ks,with_shared,pdl", [(4, 2, True, True), (4, 1, False, True), (4, 4, True, False),
+                                                   (8, 2, True, True), (8, 1, False, False)])
+def test_one_token_split_by_channels_gpu(ct, ks, with_shared, pdl, monkeypatch):
+    """MOE_MMA_ONE (a program per chunk of 64 or 128 channels and pair, then a sum launch) within the bound of the
+    per-phase pair against the reference, bit-reproducible, its scratch poisoned (a 64-channel chunk's h fills half
+    of each hb row: the other half's lanes must stay inactive), at K splits of gate/up over a program's warps."""
     monkeypatch.setattr(tri, "POISON", True)
     monkeypatch.setitem(tri.MOE_MMA, "PDL", pdl)
     dev = torch.device("cuda")
@@ -355,11 +356,12 @@ def test_one_token_split_by_channels_gpu(ks, with_shared, pdl, monkeypatch):
     if not tri._mma_on(x1, 2048, 6):
         pytest.skip("this GPU does not take the tensor-core path (needs sm_80+)")
     monkeypatch.setitem(tri.MOE_MMA_ONE, "on", True)
+    monkeypatch.setitem(tri.MOE_MMA_ONE, "CT", ct)
     monkeypatch.setitem(tri.MOE_MMA_ONE, "KS", ks)
     assert tri._mma_one_on(x1, 2048)
     ran = []
     monkeypatch.setattr(tri, "_mma_one", lambda *a, _f=tri._mma_one: ran.append(1) or _f(*a))
-    g = torch.Generator(dev).manual_seed(15 + ks)
+    g = torch.Generator(dev).manual_seed(15 + ct + ks)
     e, d, k = 16, 4096, 6
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True, t=1)
     shared = (torch.randn(1, d, generator=g, device=dev) * 0.05).to(torch.bfloat16) if with_shared else None
@@ -375,7 +377,7 @@ def test_one_token_split_by_channels_gpu(ks, with_shared, pdl, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["moe_mma_gate_up", "moe_mma_down", "moe_mma_gate_up_8", "moe_mma_down_4",
-                                  "moe_mma_gate_up_two", "moe_mma_down_two", "moe_mma_one"])
+                                  "moe_mma_gate_up_two", "moe_mma_down_two", "moe_mma_one", "moe_mma_one_128"])
 def test_tensor_core_kernels_compile_for_sm80(name):
     """The path is enabled from sm_80 (`_mma_on`), so its inline PTX must assemble there, not only on the ISA tier's
     sm_90 (mul.bf16x2, for one, is sm_90-only). As sm_80 launches them: without the programmatic dependent launch

@@ -723,36 +723,39 @@ def _mma_down(hb: torch.Tensor, w2: QWeight, weights: torch.Tensor, plan: tuple,
 
 
 # One token on the tensor cores split by channels instead of by phase (kernels/mma.py `moe_mma_one_kernel`: a program
-# per (64-channel chunk, pair) does gate/up, SwiGLU and down's columns for its channels; a second launch adds the
-# chunks). KS: gate/up's K parts a program (its warps: 4 KS). Off until the H200 has timed it against the pair.
-MOE_MMA_ONE = {"on": False, "KS": 2, "BLOCK_D": 32}
+# per (chunk of 16 CT channels, pair) does gate/up, SwiGLU and down's columns for its channels; a second launch adds
+# the chunks). CT: 4 (192 programs at V4-Flash's widths, half of down's K tile each) or 8 (96, whole tiles); KS:
+# gate/up's K parts a program (its warps: CT KS). Off until the H200 has timed it against the pair.
+MOE_MMA_ONE = {"on": False, "CT": 4, "KS": 2, "BLOCK_D": 32}
 
 
 def _mma_one_on(x: torch.Tensor, inter: int) -> bool:
-    """One token, MOE_MMA_ONE on, and shapes its tiles divide (each warp 4 x 16 rows of D a step)."""
-    d, ks = x.shape[1], MOE_MMA_ONE["KS"]
-    return bool(MOE_MMA_ONE["on"]) and x.shape[0] == 1 and inter % 128 == 0 and d % (128 * ks) == 0 \
-        and d % (16 * 16 * ks) == 0 and d % MOE_MMA_ONE["BLOCK_D"] == 0
+    """One token, MOE_MMA_ONE on, and shapes its tiles divide (each warp 4 row tiles of D a step)."""
+    d, ct, ks = x.shape[1], MOE_MMA_ONE["CT"], MOE_MMA_ONE["KS"]
+    return (bool(MOE_MMA_ONE["on"]) and ct in (4, 8) and x.shape[0] == 1 and inter % 128 == 0
+            and d % (128 * ks) == 0 and d % (64 * ct * ks) == 0 and d % MOE_MMA_ONE["BLOCK_D"] == 0)
 
 
 def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.Tensor, weights: torch.Tensor,
              limit: float, shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor:
     """moe_experts for one token by `moe_mma_one_kernel` and its sum launch (the shared expert, when a callable,
     runs between them)."""
-    k, inter, d, ks = idx.shape[1], w1.data.shape[1], x.shape[1], MOE_MMA_ONE["KS"]
+    k, inter, d = idx.shape[1], w1.data.shape[1], x.shape[1]
+    ct, ks = MOE_MMA_ONE["CT"], MOE_MMA_ONE["KS"]
     if not _mma_one_on(x, inter):
         raise ValueError(f"MOE_MMA_ONE {MOE_MMA_ONE} does not take x {tuple(x.shape)} with experts {inter} wide: "
                          "one token, widths its tiles divide (`_mma_one_on`)")
     wu, su, _ = _mma_weights(w1, w3)
     wd, sd, _ = _mma_weights(w2)
-    n = k * (inter // 64)
-    hx = _empty(n, ks, 2, 64, dtype=torch.float32, device=x.device)
+    chunks = inter // (16 * ct)
+    n = k * chunks
+    hx = _empty(n, ks, 2, 16 * ct, dtype=torch.float32, device=x.device)
     hb = _empty(n, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(n, d, dtype=torch.float32, device=x.device)
     pdl = _mma_pdl(x.device)
-    _Launch(x)("moe_mma_one_kernel", (inter // 64, k), x, wu, su, wd, sd, idx.reshape(-1),
-               weights.reshape(-1).float(), hx, hb, part, inter, d, float(limit or 0.0),
-               HAS_LIMIT=bool(limit and limit > 0), KS=ks, PDL=pdl, num_warps=4 * ks)
+    _Launch(x)("moe_mma_one_kernel", (chunks, k), x, wu, su, wd, sd, idx.reshape(-1), weights.reshape(-1).float(),
+               hx, hb, part, inter, d, float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), CT=ct, KS=ks,
+               PDL=pdl, num_warps=ct * ks)
     if callable(shared):
         shared = shared()
     out = _empty(*x.shape, dtype=x.dtype, device=x.device)

@@ -460,49 +460,69 @@ def _thread_roles(W: tl.constexpr):
 
 
 @triton.jit
-def _half_load(wp, sp):
-    """Half a down tile (its 2 scale groups' 4 mma steps: 512 consecutive bytes a warp) and the lane's scale pair."""
+def _down_load(wp, sp, FULL: tl.constexpr):
+    """A down tile's 8 words (FULL) or its half's 4 (2 scale groups: 512 consecutive bytes a warp; the other 4 are
+    zeros), and the lane's scale pair."""
     w0, w1, w2, w3 = _ld16(wp)
-    return w0, w1, w2, w3, tl.load(sp.to(tl.pointer_type(tl.uint16), bitcast=True))
+    if FULL:
+        w4, w5, w6, w7 = _ld16(wp + 128)
+    else:
+        w4 = tl.zeros_like(w0)
+        w5, w6, w7 = w4, w4, w4
+    return w0, w1, w2, w3, w4, w5, w6, w7, tl.load(sp.to(tl.pointer_type(tl.uint16), bitcast=True))
 
 
 @triton.jit
-def _half_rows(w0, w1, w2, w3, sv, xb0, xb1, xb2, xb3, gg, q0):
-    """Rows g and g + 8 of one 16-row tile over scale groups q0, q0 + 1 (4 mma steps against h's B registers),
-    scales applied and summed over the quad: lanes of the other groups hold zeros (their B columns are inactive)."""
-    c0 = tl.zeros_like(gg).to(tl.float32)
-    c1 = c0
-    c2 = c0
-    c3 = c0
-    c0, c1, c2, c3 = _mma_step(w0, xb0, xb1, gg == q0, c0, c1, c2, c3)
-    c0, c1, c2, c3 = _mma_step(w1, xb2, xb3, gg == q0, c0, c1, c2, c3)
-    c0, c1, c2, c3 = _mma_step(w2, xb0, xb1, gg == q0 + 1, c0, c1, c2, c3)
-    c0, c1, c2, c3 = _mma_step(w3, xb2, xb3, gg == q0 + 1, c0, c1, c2, c3)
-    return _quad_sum(_mma_apply(c0, c1, sv & 0xFF)), _quad_sum(_mma_apply(c2, c3, sv >> 8))
+def _down_rows(w0, w1, w2, w3, w4, w5, w6, w7, sv, xb0, xb1, xb2, xb3, gg, q0, FULL: tl.constexpr):
+    """Rows g and g + 8 of one 16-row tile against h's B registers, scales applied, summed over the quad: FULL, the
+    tile's 4 scale groups (8 mma steps); else groups q0, q0 + 1 from the half's 4 words (lanes of the other groups
+    hold zeros: their B columns are inactive)."""
+    if FULL:
+        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, xb0, xb1, xb2, xb3, gg, sv & 0xFF, sv >> 8)
+    else:
+        c0 = tl.zeros_like(gg).to(tl.float32)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        c0, c1, c2, c3 = _mma_step(w0, xb0, xb1, gg == q0, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _mma_step(w1, xb2, xb3, gg == q0, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _mma_step(w2, xb0, xb1, gg == q0 + 1, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _mma_step(w3, xb2, xb3, gg == q0 + 1, c0, c1, c2, c3)
+        top, bot = _mma_apply(c0, c1, sv & 0xFF), _mma_apply(c2, c3, sv >> 8)
+    return _quad_sum(top), _quad_sum(bot)
+
+
+@triton.jit
+def _down_store(op, at, top, bot, wt, keep):
+    tl.store(op + at, top * wt, mask=keep)
+    tl.store(op + at + 8, bot * wt, mask=keep)
 
 
 @triton.jit
 def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_ptr, hb_ptr, part_ptr, I, D, limit,
-                       HAS_LIMIT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
-    """One token, program (chunk c of 64 channels, pair j), 4 KS warps. Warp (ct, ks) streams the gate and up row
-    tiles 4 c + ct of expert e_ptr[j] (repacked as for `moe_mma_gate_up_kernel`) over K part ks of D; the parts meet
-    in hx [programs, KS, 2, 64] and are added in order, and the clamped SwiGLU gives h x 2^64 split hi + lo in bf16,
-    in hb [programs, 256] where down's lanes read it (`_hb_index`). Then warp w takes the 16-row tiles w, w + 4 KS, ..
-    of D, each against half of down's K tile (the chunk's 2 scale groups), and writes wt[j] times its rows to
-    part [programs, D] (program j (I / 64) + c). PDL: the sum launch may start at once (it waits for this one's end)."""
+                       HAS_LIMIT: tl.constexpr, CT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr = False):
+    """One token, program (chunk c of 16 CT channels, CT = 4 or 8; pair j), CT KS warps. Warp (ct, ks) streams the
+    gate and up row tiles CT c + ct of expert e_ptr[j] (repacked as for `moe_mma_gate_up_kernel`) over K part ks of
+    D; the parts meet in hx [programs, KS, 2, 16 CT] and are added in order, and the clamped SwiGLU gives h x 2^64
+    split hi + lo in bf16, in hb [programs, 256] where down's lanes read it (`_hb_index`). Then warp w takes the
+    16-row tiles w, w + CT KS, .. of D, each against down's K tile of the chunk (CT = 4: half the tile, its 2 scale
+    groups), and writes wt[j] times its rows to part [programs, D] (program j I / (16 CT) + c). PDL: the sum launch
+    may start at once (it waits for this one's end)."""
     if PDL:
         gdc_launch_dependents()
-    W: tl.constexpr = 4 * KS
+    W: tl.constexpr = CT * KS
+    C: tl.constexpr = 16 * CT  # channels a program
+    FULL: tl.constexpr = CT == 8
     c = tl.program_id(0)
     j = tl.program_id(1)
     pid = j * tl.num_programs(0) + c
     e = tl.load(e_ptr + j).to(tl.int64)
     lane, warp, g, t, gg, part = _thread_roles(W)
-    ct = warp % 4
-    ks = warp // 4
+    ct = warp % CT
+    ks = warp // CT
     ktt = D // 128
     kt = ktt // KS
-    tile0 = (e * (I // 16) + c * 4 + ct) * 2 * ktt + ks * kt  # the gate row tile's first tile of this part
+    tile0 = (e * (I // 16) + c * CT + ct) * 2 * ktt + ks * kt  # the gate row tile's first tile of this part
     wg = wu_ptr + (tile0 * 256 + lane * 4)
     wu = wg + ktt * 256
     sg = su_ptr + (tile0 * 64 + lane * 2)
@@ -530,65 +550,61 @@ def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_
         top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
         ut += top
         ub += bot
-    hp = hx_ptr + ((pid * KS + ks) * 2) * 64 + ct * 16 + g
+    hp = hx_ptr + (pid * KS + ks) * 2 * C + ct * 16 + g
     keep = t == 0
     tl.store(hp, _quad_sum(gt), mask=keep)
     tl.store(hp + 8, _quad_sum(gb), mask=keep)
-    tl.store(hp + 64, _quad_sum(ut), mask=keep)
-    tl.store(hp + 72, _quad_sum(ub), mask=keep)
+    tl.store(hp + C, _quad_sum(ut), mask=keep)
+    tl.store(hp + C + 8, _quad_sum(ub), mask=keep)
     tl.debug_barrier()
     # the K parts added in order (fresh tensors: the thread-role ones must keep one element a thread)
     q = tl.arange(0, KS)[:, None]
-    at = hx_ptr + (pid * KS + q) * 128 + tl.arange(0, 64)[None, :]
+    at = hx_ptr + (pid * KS + q) * 2 * C + tl.arange(0, C)[None, :]
     gs = tl.sum(tl.load(at, cache_modifier=".cg"), axis=0)
-    us = tl.sum(tl.load(at + 64, cache_modifier=".cg"), axis=0)
+    us = tl.sum(tl.load(at + C, cache_modifier=".cg"), axis=0)
     if HAS_LIMIT:
         gs = tl.minimum(gs, limit)
         us = tl.minimum(tl.maximum(us, -limit), limit)
     h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
     hi = h.to(tl.bfloat16)
     lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-    q0 = (c % 2) * 2  # the chunk's first scale group in its down K tile
-    hbp = hb_ptr + pid * 256 + _hb_index(q0 * 32 + tl.arange(0, 64))
+    q0 = 0 if FULL else (c % 2) * 2  # the chunk's first scale group in its down K tile
+    hbp = hb_ptr + pid * 256 + _hb_index(q0 * 32 + tl.arange(0, C))
     tl.store(hbp, hi)
     tl.store(hbp + 32, lo)
     tl.debug_barrier()
-    xb0, xb1, xb2, xb3 = _mma_h(hb_ptr + (pid * 256 + lane * 8))  # lanes of the other 2 groups: never active
+    xb0, xb1, xb2, xb3 = _mma_h(hb_ptr + (pid * 256 + lane * 8))  # CT = 4: the other 2 groups' lanes never active
     n_rt = D // 16
     ktd = I // 128
-    tile = (e * n_rt + warp) * ktd + c // 2
-    wp = wd_ptr + (tile * 256 + (c % 2) * 128 + lane * 4)
+    tile = (e * n_rt + warp) * ktd + c * CT // 8
+    wp = wd_ptr + (tile * 256 + (q0 // 2) * 128 + lane * 4)
     sp = sd_ptr + (tile * 64 + lane * 2)
-    stride = W * ktd  # tiles from one of the warp's row tiles to its next
+    step = W * ktd  # tiles from one of the warp's row tiles to its next
     op = part_ptr + (pid * D + warp * 16 + g)
     wt = tl.load(wt_ptr + j).to(tl.float32)
     steps = n_rt // W
-    a0, a1, a2, a3, as_ = _half_load(wp, sp)
-    b0, b1, b2, b3, bs = _half_load(wp + stride * 256, sp + stride * 64)
-    c0, c1, c2, c3, cs = _half_load(wp + 2 * stride * 256, sp + 2 * stride * 64)
-    d0, d1, d2, d3, ds = _half_load(wp + 3 * stride * 256, sp + 3 * stride * 64)
-    for i in range(0, steps, 4):
-        p0, p1, p2, p3, ps = a0, a1, a2, a3, as_
-        q0_, q1_, q2_, q3_, qs = b0, b1, b2, b3, bs
-        r0, r1, r2, r3, rs = c0, c1, c2, c3, cs
-        u0, u1, u2, u3, us_ = d0, d1, d2, d3, ds
+    a0, a1, a2, a3, a4, a5, a6, a7, sa = _down_load(wp, sp, FULL)
+    b0, b1, b2, b3, b4, b5, b6, b7, sb = _down_load(wp + step * 256, sp + step * 64, FULL)
+    c0, c1, c2, c3, c4, c5, c6, c7, sc = _down_load(wp + 2 * step * 256, sp + 2 * step * 64, FULL)
+    d0, d1, d2, d3, d4, d5, d6, d7, sd = _down_load(wp + 3 * step * 256, sp + 3 * step * 64, FULL)
+    for i in range(0, steps, 4):  # 4 row tiles a step, the next 4 loaded first
+        p0, p1, p2, p3, p4, p5, p6, p7, sp0 = a0, a1, a2, a3, a4, a5, a6, a7, sa
+        q0_, q1, q2, q3, q4, q5, q6, q7, sq = b0, b1, b2, b3, b4, b5, b6, b7, sb
+        r0, r1, r2, r3, r4, r5, r6, r7, sr = c0, c1, c2, c3, c4, c5, c6, c7, sc
+        u0, u1, u2, u3, u4, u5, u6, u7, su_ = d0, d1, d2, d3, d4, d5, d6, d7, sd
         n = tl.minimum(i + 4, steps - 4)  # the last step reloads its own tiles (unused)
-        a0, a1, a2, a3, as_ = _half_load(wp + n * stride * 256, sp + n * stride * 64)
-        b0, b1, b2, b3, bs = _half_load(wp + (n + 1) * stride * 256, sp + (n + 1) * stride * 64)
-        c0, c1, c2, c3, cs = _half_load(wp + (n + 2) * stride * 256, sp + (n + 2) * stride * 64)
-        d0, d1, d2, d3, ds = _half_load(wp + (n + 3) * stride * 256, sp + (n + 3) * stride * 64)
-        top, bot = _half_rows(p0, p1, p2, p3, ps, xb0, xb1, xb2, xb3, gg, q0)
-        tl.store(op + i * W * 16, top * wt, mask=keep)
-        tl.store(op + i * W * 16 + 8, bot * wt, mask=keep)
-        top, bot = _half_rows(q0_, q1_, q2_, q3_, qs, xb0, xb1, xb2, xb3, gg, q0)
-        tl.store(op + (i + 1) * W * 16, top * wt, mask=keep)
-        tl.store(op + (i + 1) * W * 16 + 8, bot * wt, mask=keep)
-        top, bot = _half_rows(r0, r1, r2, r3, rs, xb0, xb1, xb2, xb3, gg, q0)
-        tl.store(op + (i + 2) * W * 16, top * wt, mask=keep)
-        tl.store(op + (i + 2) * W * 16 + 8, bot * wt, mask=keep)
-        top, bot = _half_rows(u0, u1, u2, u3, us_, xb0, xb1, xb2, xb3, gg, q0)
-        tl.store(op + (i + 3) * W * 16, top * wt, mask=keep)
-        tl.store(op + (i + 3) * W * 16 + 8, bot * wt, mask=keep)
+        a0, a1, a2, a3, a4, a5, a6, a7, sa = _down_load(wp + n * step * 256, sp + n * step * 64, FULL)
+        b0, b1, b2, b3, b4, b5, b6, b7, sb = _down_load(wp + (n + 1) * step * 256, sp + (n + 1) * step * 64, FULL)
+        c0, c1, c2, c3, c4, c5, c6, c7, sc = _down_load(wp + (n + 2) * step * 256, sp + (n + 2) * step * 64, FULL)
+        d0, d1, d2, d3, d4, d5, d6, d7, sd = _down_load(wp + (n + 3) * step * 256, sp + (n + 3) * step * 64, FULL)
+        top, bot = _down_rows(p0, p1, p2, p3, p4, p5, p6, p7, sp0, xb0, xb1, xb2, xb3, gg, q0, FULL)
+        _down_store(op, i * W * 16, top, bot, wt, keep)
+        top, bot = _down_rows(q0_, q1, q2, q3, q4, q5, q6, q7, sq, xb0, xb1, xb2, xb3, gg, q0, FULL)
+        _down_store(op, (i + 1) * W * 16, top, bot, wt, keep)
+        top, bot = _down_rows(r0, r1, r2, r3, r4, r5, r6, r7, sr, xb0, xb1, xb2, xb3, gg, q0, FULL)
+        _down_store(op, (i + 2) * W * 16, top, bot, wt, keep)
+        top, bot = _down_rows(u0, u1, u2, u3, u4, u5, u6, u7, su_, xb0, xb1, xb2, xb3, gg, q0, FULL)
+        _down_store(op, (i + 3) * W * 16, top, bot, wt, keep)
 
 
 @triton.jit

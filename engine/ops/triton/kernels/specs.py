@@ -236,6 +236,8 @@ _MMA_UP = ("x_ptr w_ptr s_ptr e_ptr rows_ptr part_ptr lock_ptr hb_ptr I D TOPK l
            "*bf16 *i32 *u8 *i64 *i32 *fp32 *i32 *bf16 i32 i32 i32 fp32")
 _MMA_DOWN = ("hb_ptr w_ptr s_ptr e_ptr rows_ptr wt_ptr part_ptr lock_ptr out_ptr add_ptr D I TOPK",
              "*bf16 *i32 *u8 *i64 *i32 *fp32 *fp32 *i32 *bf16 *bf16 i32 i32 i32")
+_MMA_ONE = ("x_ptr wu_ptr su_ptr wd_ptr sd_ptr e_ptr wt_ptr hx_ptr hb_ptr part_ptr I D limit",
+            "*bf16 *i32 *u8 *i32 *u8 *i64 *fp32 *fp32 *bf16 *fp32 i32 i32 fp32")
 ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]], int, bool]] = [
     ("fp8_stream_hw", fp8_stream_kernel,
      _sig(*_FP8_STREAM_ARGS, BLOCK_N=32, BLOCK_K=256, HW=True, UNIFORM=True, UNROLL=1, SPLIT=1, LOCAL=16), 4, False),
@@ -273,10 +275,10 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
      _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, PDL=PDL_AVAILABLE), 1, True),
     ("moe_mma_down_two", moe_mma_down_kernel,  # (MOE_MMA SPLITS)
      _sig(*_MMA_DOWN, SPLIT=1, TOPKP=8, SUM=True, HAS_ADD=True, TWO=True, PDL=PDL_AVAILABLE), 1, True),
-    ("moe_mma_one", moe_mma_one_kernel,  # one token split by channels (MOE_MMA_ONE), 8 warps
-     _sig("x_ptr wu_ptr su_ptr wd_ptr sd_ptr e_ptr wt_ptr hx_ptr hb_ptr part_ptr I D limit",
-          "*bf16 *i32 *u8 *i32 *u8 *i64 *fp32 *fp32 *bf16 *fp32 i32 i32 fp32", HAS_LIMIT=True, KS=2,
-          PDL=PDL_AVAILABLE), 8, True),
+    ("moe_mma_one", moe_mma_one_kernel,  # one token split by channels (MOE_MMA_ONE): 64 channels, 8 warps
+     _sig(*_MMA_ONE, HAS_LIMIT=True, CT=4, KS=2, PDL=PDL_AVAILABLE), 8, True),
+    ("moe_mma_one_128", moe_mma_one_kernel,  # 128 channels (whole down tiles), 16 warps
+     _sig(*_MMA_ONE, HAS_LIMIT=True, CT=8, KS=2, PDL=PDL_AVAILABLE), 16, True),
     ("moe_mma_one_sum", moe_mma_one_sum_kernel,
      _sig("part_ptr out_ptr add_ptr D N", "*fp32 *bf16 *bf16 i32 i32", HAS_ADD=True, NP=256, BLOCK_D=32,
           PDL=PDL_AVAILABLE), 4, False),
