@@ -9,8 +9,12 @@ program (lane i % 32 of warp i // 32). Warp-wide instructions act on each warp's
   register j, half h; C/D (row g + 8 (j >> 1), column 2t + (j & 1)) in register j. Products and sums in float64,
   rounded once to fp32 (the hardware's own fp32 accumulation differs in the last bits);
 - shfl.sync.bfly: lane l reads lane l ^ b;
-- ld.global(.nc)(.L1::..).v4.u32: 16 bytes at the address; prmt (with sign replication), shl, and, fma.rn.bf16x2
-  (bf16 values are exact in fp32; rounded back to bf16 by round-to-nearest-even).
+- ld.global(.nc)(.L1::..).v4.u32: 16 bytes at the address (16-byte aligned); prmt (with sign replication), shl,
+  and, fma.rn.bf16x2 (bf16 values are exact in fp32; rounded back to bf16 by round-to-nearest-even).
+What it cannot show: the interpreter runs a program's whole-tensor operations in order, so a missing barrier, a
+cached (.nc) load of data written earlier in the same launch, or a launch's num_warps that does not give the
+[32 W] tensors one element a thread all pass here (tests check the last from the launch arguments); the GPU
+tests cover them.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ def run_block(asm: str, regs: dict[str, np.ndarray], n: int) -> None:
             regs[ops[0]] = _value(ops[1], regs, n)
         elif _LOAD.fullmatch(op):
             addr = regs[ops[4].strip("[]")].astype(np.uint64)
+            assert (addr % 16 == 0).all(), f"ptx_emulator: {op} from addresses not 16-byte aligned"
             for i in range(4):
                 regs[ops[i]] = ti._interpreter.load(addr + np.uint64(4 * i), np.ones(n, dtype=bool),
                                                     np.zeros(n, dtype=np.uint32), np.dtype(np.uint32))

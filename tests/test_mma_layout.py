@@ -11,6 +11,7 @@ and product is exact in float64).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -185,7 +186,9 @@ def test_k_splits_follow_the_token_count_rows(monkeypatch):
 
 def rel_by_rows(got: torch.Tensor, want: torch.Tensor, w2: QWeight) -> float:
     """The larger of the relative errors over the output rows whose down weights hold a scale byte past 192 (2^65 and
-    up: they dwarf the rest) and over the other rows, so an error in either set shows."""
+    up: they dwarf the rest) and over the other rows, so an error in either set shows; inf for a non-finite output."""
+    if not torch.isfinite(got).all():
+        return math.inf
     big = (w2.scale.view(torch.uint8) > 192).any(dim=-1).any(dim=0).to(got.device)  # [D]
     err = 0.0
     for rows in (big, ~big):

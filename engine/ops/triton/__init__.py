@@ -730,16 +730,18 @@ MOE_MMA_ONE = {"on": False, "CT": 4, "KS": 2, "BLOCK_D": 32}
 
 
 def _mma_one_on(x: torch.Tensor, inter: int) -> bool:
-    """One token, MOE_MMA_ONE on, and shapes its tiles divide (each warp 4 row tiles of D a step)."""
+    """One token, MOE_MMA_ONE on, a form it has (CT 4 or 8, KS 1, 2 or 4) and shapes its tiles divide (each warp
+    4 of D's 16-row tiles a step, each K part whole 128-column tiles)."""
     d, ct, ks = x.shape[1], MOE_MMA_ONE["CT"], MOE_MMA_ONE["KS"]
-    return (bool(MOE_MMA_ONE["on"]) and ct in (4, 8) and x.shape[0] == 1 and inter % 128 == 0
-            and d % (128 * ks) == 0 and d % (64 * ct * ks) == 0 and d % MOE_MMA_ONE["BLOCK_D"] == 0)
+    return (bool(MOE_MMA_ONE["on"]) and ct in (4, 8) and ks in (1, 2, 4) and x.shape[0] == 1 and inter % 128 == 0
+            and d % (64 * ct * ks) == 0 and d % MOE_MMA_ONE["BLOCK_D"] == 0)
 
 
 def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.Tensor, weights: torch.Tensor,
-             limit: float, shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor:
+             limit: float, shared: torch.Tensor | Callable[[], torch.Tensor] | None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """moe_experts for one token by `moe_mma_one_kernel` and its sum launch (the shared expert, when a callable,
-    runs between them)."""
+    runs between them); into `out` when given (any float dtype: the tests take fp32)."""
     k, inter, d = idx.shape[1], w1.data.shape[1], x.shape[1]
     ct, ks = MOE_MMA_ONE["CT"], MOE_MMA_ONE["KS"]
     if not _mma_one_on(x, inter):
@@ -758,10 +760,10 @@ def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.
                PDL=pdl, num_warps=ct * ks)
     if callable(shared):
         shared = shared()
-    out = _empty(*x.shape, dtype=x.dtype, device=x.device)
+    out = _empty(*x.shape, dtype=x.dtype, device=x.device) if out is None else out
     bd = MOE_MMA_ONE["BLOCK_D"]
     _Launch(x)("moe_mma_one_sum_kernel", (d // bd,), part, out, out if shared is None else shared.contiguous(), d, n,
-               HAS_ADD=shared is not None, NP=_pow2(n), BLOCK_D=bd, PDL=pdl, launch_pdl=pdl, num_warps=4)
+               HAS_ADD=shared is not None, ROWS=64, BLOCK_D=bd, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
 

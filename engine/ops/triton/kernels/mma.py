@@ -608,14 +608,17 @@ def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_
 
 
 @triton.jit
-def moe_mma_one_sum_kernel(part_ptr, out_ptr, add_ptr, D, N, HAS_ADD: tl.constexpr, NP: tl.constexpr,
+def moe_mma_one_sum_kernel(part_ptr, out_ptr, add_ptr, D, N, HAS_ADD: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    """out[0, d] = the N partials of `moe_mma_one_kernel` (already weighted) added by one fixed tree (+ add[0, d])."""
+    """out[0, d] = the N partials of `moe_mma_one_kernel` (already weighted) added in a fixed order, ROWS at a time
+    by one tree (+ add[0, d])."""
     if PDL:
         gdc_wait()  # the channel kernel (and every launch before it) done
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    q = tl.arange(0, NP)[:, None]
-    tot = tl.sum(tl.load(part_ptr + q * D + d[None, :], mask=q < N, other=0.0), axis=0)
+    q = tl.arange(0, ROWS)[:, None]
+    tot = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for q0 in range(0, N, ROWS):
+        tot += tl.sum(tl.load(part_ptr + (q0 + q) * D + d[None, :], mask=q0 + q < N, other=0.0), axis=0)
     if HAS_ADD:
         tot += tl.load(add_ptr + d).to(tl.float32)
     tl.store(out_ptr + d, tot.to(out_ptr.dtype.element_ty))

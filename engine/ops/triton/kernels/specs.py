@@ -280,7 +280,7 @@ ISA_SPECS_SM90: list[tuple[str, object, tuple[dict[str, str], dict[str, object]]
     ("moe_mma_one_128", moe_mma_one_kernel,  # 128 channels (whole down tiles), 16 warps
      _sig(*_MMA_ONE, HAS_LIMIT=True, CT=8, KS=2, PDL=PDL_AVAILABLE), 16, True),
     ("moe_mma_one_sum", moe_mma_one_sum_kernel,
-     _sig("part_ptr out_ptr add_ptr D N", "*fp32 *bf16 *bf16 i32 i32", HAS_ADD=True, NP=256, BLOCK_D=32,
+     _sig("part_ptr out_ptr add_ptr D N", "*fp32 *bf16 *bf16 i32 i32", HAS_ADD=True, ROWS=64, BLOCK_D=32,
           PDL=PDL_AVAILABLE), 4, False),
     ("moe_down_stream_prmt", moe_down_kernel,
      _sig(_MOE_DOWN[0], _MOE_DOWN[1].replace("*u8 *u8", "*i32 *u8"), BLOCK_M=1, BLOCK_N=16, GROUPS=8,
