@@ -373,6 +373,8 @@ def test_one_token_split_by_channels_gpu(ct, ks, with_shared, pdl, monkeypatch):
     want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, None if shared is None else shared.double())
     err = rel_by_rows(got, want, w2)
     assert err <= 5e-3, err  # as test_moe_experts_tensor_core_gpu: the output's own bf16 rounding is ~2e-3
+    f32 = tri._mma_one(x, w1, w3, w2, idx, wt, 7.0, shared, out=torch.empty(1, d, dtype=torch.float32, device=dev))
+    assert rel_by_rows(f32, want, w2) <= 1e-4  # fp32 out: h's hi + lo split, ~2^-16 (tests/test_mma_emulated.py)
     assert torch.equal(got, tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)), "not bit-reproducible"
     monkeypatch.setitem(tri.MOE_MMA_ONE, "on", False)
     pair = tri.moe_experts(x, w1, w3, w2, idx, wt, 7.0, shared)
