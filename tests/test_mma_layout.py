@@ -363,7 +363,7 @@ def test_one_token_split_by_channels_gpu(ct, ks, with_shared, pdl, monkeypatch):
     monkeypatch.setitem(tri.MOE_MMA_ONE, "KS", ks)
     assert tri._mma_one_on(x1, 2048)
     ran = []
-    monkeypatch.setattr(tri, "_mma_one", lambda *a, _f=tri._mma_one: ran.append(1) or _f(*a))
+    monkeypatch.setattr(tri, "_mma_one", lambda *a, _f=tri._mma_one, **kw: ran.append(1) or _f(*a, **kw))
     g = torch.Generator(dev).manual_seed(15 + ct + ks)
     e, d, k = 16, 4096, 6
     w1, w3, w2, x, idx, wt = gpu_moe_inputs(g, e, k, scale_200=True, t=1)
