@@ -256,38 +256,14 @@ def _gate_up_finish(part_ptr, lock_ptr, hb_ptr, j, c, n_ct, I, limit, HAS_LIMIT:
 
 
 @triton.jit
-def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
-                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                           TWO: tl.constexpr = False, PDL: tl.constexpr = False):
-    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
-    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
-    that token's x. TWO: program row i takes the two pairs of one expert in row i of rows_ptr, the second pair's x
-    in the B columns of the first's (zero) lo parts, so one decode of the weights serves both. The last K part of
-    a pair's tile to arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times
-    2^64 split hi + lo in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL
-    (sm_90): the down launch may start once every program of this one has started (it waits for this launch's end
-    before it reads h)."""
-    if PDL:
-        gdc_launch_dependents()
-    c, j, j2, sk, n_ct, ktt, kt = _mma_program(rows_ptr, D, SPLIT, TWO)
-    if TWO:
-        if j < 0:  # an empty row of the pair table
-            return
-    e = tl.load(e_ptr + j).to(tl.int64)
-    lane, g, t, gg, part = _lane_roles()
-    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
-    wg = w_ptr + (tile0 * 256 + lane * 4)
-    wu = wg + ktt * 256
-    sg = s_ptr + (tile0 * 64 + lane * 2)
-    su = sg + ktt * 64
-    tok = j // TOPK
-    if TWO:  # lanes of the lo part read the second pair's token (the first's again when there is none)
-        tok = tl.where(part == 0, tok, tl.where(j2 < 0, tok, j2 // TOPK))
-    xp = x_ptr + (tok.to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
+def _gate_up_stream(wg, sg, wu, su, xp, part, gg, kt, TWO: tl.constexpr):
+    """The gate and up row tiles of a K part (kt tiles from wg / wu, the scales from sg / su) against x from xp, the
+    next tile's loads issued before this one's mma: the running (top, bottom) rows of gate and up, and with TWO
+    those of the second pair (x in the B columns of the first's lo parts)."""
     a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
     b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
     x0, x1, x2, x3 = _mma_x(xp, part, not TWO)
-    gt = tl.zeros((32,), dtype=tl.float32)
+    gt = tl.zeros_like(gg).to(tl.float32)
     gb = gt
     ut = gt
     ub = gt
@@ -316,6 +292,39 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
             top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
             ut += top
             ub += bot
+    return gt, gb, ut, ub, gt2, gb2, ut2, ub2
+
+
+@triton.jit
+def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_ptr, hb_ptr, I, D, TOPK, limit,
+                           HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                           TWO: tl.constexpr = False, PDL: tl.constexpr = False):
+    """A few tokens, one warp a program: (16-channel tile c, pair j = token j // TOPK's slot, K part sk) streams
+    the gate and the up row tiles of expert e_ptr[j] (repacked, interleaved per 16 rows) over D / SPLIT against
+    that token's x. TWO: program row i takes the two pairs of one expert in row i of rows_ptr, the second pair's x
+    in the B columns of the first's (zero) lo parts, so one decode of the weights serves both. The last K part of
+    a pair's tile to arrive adds the SPLIT partials (a fixed tree), applies the clamped SwiGLU and writes h times
+    2^64 split hi + lo in bf16: hb [pairs, I / 128, 256] (the down kernel's B operand as it is, `_hb_index`). PDL
+    (sm_90): the down launch may start once every program of this one has started (it waits for this launch's end
+    before it reads h)."""
+    if PDL:
+        gdc_launch_dependents()
+    c, j, j2, sk, n_ct, ktt, kt = _mma_program(rows_ptr, D, SPLIT, TWO)
+    if TWO:
+        if j < 0:  # an empty row of the pair table
+            return
+    e = tl.load(e_ptr + j).to(tl.int64)
+    lane, g, t, gg, part = _lane_roles()
+    tile0 = (e * n_ct + c) * 2 * ktt + sk * kt  # the gate row tile's first tile of this part; up: + ktt
+    wg = w_ptr + (tile0 * 256 + lane * 4)
+    wu = wg + ktt * 256
+    sg = s_ptr + (tile0 * 64 + lane * 2)
+    su = sg + ktt * 64
+    tok = j // TOPK
+    if TWO:  # lanes of the lo part read the second pair's token (the first's again when there is none)
+        tok = tl.where(part == 0, tok, tl.where(j2 < 0, tok, j2 // TOPK))
+    xp = x_ptr + (tok.to(tl.int64) * D + sk * kt * 128 + gg * 32 + 2 * t)
+    gt, gb, ut, ub, gt2, gb2, ut2, ub2 = _gate_up_stream(wg, sg, wu, su, xp, part, gg, kt, TWO)
     _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, True, SPLIT)
     if TWO:
         _gate_up_parts(part_ptr, j2, sk, I, c, g, t, gt2, gb2, ut2, ub2, j2 >= 0, SPLIT)
@@ -528,28 +537,7 @@ def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_
     sg = su_ptr + (tile0 * 64 + lane * 2)
     su = sg + ktt * 64
     xp = x_ptr + (ks * kt * 128 + gg * 32 + 2 * t)
-    a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, 0)
-    b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, 0)
-    x0, x1, x2, x3 = _mma_x(xp, part)
-    gt = tl.zeros((32 * W,), dtype=tl.float32)
-    gb = gt
-    ut = gt
-    ub = gt
-    for i in range(kt):
-        w0, w1, w2, w3, w4, w5, w6, w7 = a0, a1, a2, a3, a4, a5, a6, a7
-        v0, v1, v2, v3, v4, v5, v6, v7 = b0, b1, b2, b3, b4, b5, b6, b7
-        cg0, cg1, cu0, cu1 = gs0, gs1, us0, us1
-        y0, y1, y2, y3 = x0, x1, x2, x3
-        n = tl.minimum(i + 1, kt - 1)  # the last step reloads its own tile (unused)
-        a0, a1, a2, a3, a4, a5, a6, a7, gs0, gs1 = _mma_tile_load(wg, sg, n)
-        b0, b1, b2, b3, b4, b5, b6, b7, us0, us1 = _mma_tile_load(wu, su, n)
-        x0, x1, x2, x3 = _mma_x(xp + n * 128, part)
-        top, bot = _mma_tile(w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, gg, cg0, cg1)
-        gt += top
-        gb += bot
-        top, bot = _mma_tile(v0, v1, v2, v3, v4, v5, v6, v7, y0, y1, y2, y3, gg, cu0, cu1)
-        ut += top
-        ub += bot
+    gt, gb, ut, ub, _, _, _, _ = _gate_up_stream(wg, sg, wu, su, xp, part, gg, kt, False)
     hp = hx_ptr + (pid * KS + ks) * 2 * C + ct * 16 + g
     keep = t == 0
     tl.store(hp, _quad_sum(gt), mask=keep)
