@@ -538,6 +538,19 @@ def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_
     su = sg + ktt * 64
     xp = x_ptr + (ks * kt * 128 + gg * 32 + 2 * t)
     gt, gb, ut, ub, _, _, _, _ = _gate_up_stream(wg, sg, wu, su, xp, part, gg, kt, False)
+    # down's first 4 row tiles, loaded before the K parts meet (they need no h)
+    q0 = 0 if FULL else (c % 2) * 2  # the chunk's first scale group in its down K tile
+    n_rt = D // 16
+    ktd = I // 128
+    tile = (e * n_rt + warp) * ktd + c * CT // 8
+    wp = wd_ptr + (tile * 256 + (q0 // 2) * 128 + lane * 4)
+    sp = sd_ptr + (tile * 64 + lane * 2)
+    step = W * ktd  # tiles from one of the warp's row tiles to its next
+    steps = n_rt // W
+    a0, a1, a2, a3, a4, a5, a6, a7, sa = _down_load(wp, sp, FULL)
+    b0, b1, b2, b3, b4, b5, b6, b7, sb = _down_load(wp + step * 256, sp + step * 64, FULL)
+    c0, c1, c2, c3, c4, c5, c6, c7, sc = _down_load(wp + 2 * step * 256, sp + 2 * step * 64, FULL)
+    d0, d1, d2, d3, d4, d5, d6, d7, sd = _down_load(wp + 3 * step * 256, sp + 3 * step * 64, FULL)
     hp = hx_ptr + (pid * KS + ks) * 2 * C + ct * 16 + g
     keep = t == 0
     tl.store(hp, _quad_sum(gt), mask=keep)
@@ -556,25 +569,13 @@ def moe_mma_one_kernel(x_ptr, wu_ptr, su_ptr, wd_ptr, sd_ptr, e_ptr, wt_ptr, hx_
     h = gs / (1.0 + tl.exp(-gs)) * us * 18446744073709551616.0  # x 2^64: exact
     hi = h.to(tl.bfloat16)
     lo = (h - hi.to(tl.float32)).to(tl.bfloat16)
-    q0 = 0 if FULL else (c % 2) * 2  # the chunk's first scale group in its down K tile
     hbp = hb_ptr + pid * 256 + _hb_index(q0 * 32 + tl.arange(0, C))
     tl.store(hbp, hi)
     tl.store(hbp + 32, lo)
     tl.debug_barrier()
     xb0, xb1, xb2, xb3 = _mma_h(hb_ptr + (pid * 256 + lane * 8))  # CT = 4: the other 2 groups' lanes never active
-    n_rt = D // 16
-    ktd = I // 128
-    tile = (e * n_rt + warp) * ktd + c * CT // 8
-    wp = wd_ptr + (tile * 256 + (q0 // 2) * 128 + lane * 4)
-    sp = sd_ptr + (tile * 64 + lane * 2)
-    step = W * ktd  # tiles from one of the warp's row tiles to its next
     op = part_ptr + (pid * D + warp * 16 + g)
     wt = tl.load(wt_ptr + j).to(tl.float32)
-    steps = n_rt // W
-    a0, a1, a2, a3, a4, a5, a6, a7, sa = _down_load(wp, sp, FULL)
-    b0, b1, b2, b3, b4, b5, b6, b7, sb = _down_load(wp + step * 256, sp + step * 64, FULL)
-    c0, c1, c2, c3, c4, c5, c6, c7, sc = _down_load(wp + 2 * step * 256, sp + 2 * step * 64, FULL)
-    d0, d1, d2, d3, d4, d5, d6, d7, sd = _down_load(wp + 3 * step * 256, sp + 3 * step * 64, FULL)
     for i in range(0, steps, 4):  # 4 row tiles a step, the next 4 loaded first
         p0, p1, p2, p3, p4, p5, p6, p7, sp0 = a0, a1, a2, a3, a4, a5, a6, a7, sa
         q0_, q1, q2, q3, q4, q5, q6, q7, sq = b0, b1, b2, b3, b4, b5, b6, b7, sb
