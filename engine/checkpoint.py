@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import formats
-from .config import QUANTIZATION_CONFIG, Config
+from .config import QUANTIZATION_CONFIG, Config, readable
 from .ops import QWeight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,10 +132,14 @@ _DENSE = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
 
 def _index(folder: Path) -> tuple[list[str], dict[str, str] | None]:
     """(shard file names, the index's key -> file map or None): the index's files when there is one, else every
-    *.safetensors in the folder."""
+    *.safetensors in the folder. An index's shards are file names beside it (what the checkpoint hash covers), and
+    a model.safetensors it does not list is refused (transformers would read that one instead)."""
     index = folder / INDEX_FILE
     if not index.exists():
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        try:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        except OSError as e:
+            raise CheckpointError(f"{folder}: {readable(e)}") from None
         if not files:
             raise CheckpointError(f"{folder}: no *.safetensors files: point at a checkpoint folder")
         return files, None
@@ -146,9 +150,31 @@ def _index(folder: Path) -> tuple[list[str], dict[str, str] | None]:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{index}: not UTF-8 text ({e.reason} at byte {e.start}): regenerate it as "
                               "UTF-8 JSON") from None
+    except OSError as e:
+        raise CheckpointError(f"{index}: {readable(e)}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index ({e}): regenerate it") from None
-    return sorted(set(weight_map.values())), weight_map
+    files = sorted(set(weight_map.values()))
+    odd = [f for f in files if Path(f).name != f or f in (".", "..") or not f.endswith(".safetensors")]
+    if odd:
+        raise CheckpointError(f"{index}: shard {odd[0]!r} is not a .safetensors file name beside the index: keep "
+                              "the shards in the checkpoint folder and list them by name")
+    if (folder / "model.safetensors").exists() and "model.safetensors" not in files:
+        raise CheckpointError(f"{folder}: holds model.safetensors beside {INDEX_FILE}, which lists other files: "
+                              "delete the one that is stale")
+    return files, weight_map
+
+
+def _shard(path: Path, listed: bool) -> Path:
+    """path, a readable regular file (a missing shard, a folder, a FIFO or an unreadable file named as such)."""
+    if not path.exists():
+        where = f"listed in {INDEX_FILE} but missing" if listed else "a broken link"
+        raise CheckpointError(f"{path}: {where}: copy the shard{' or fix the index' if listed else ''}")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file: a shard must be a safetensors file")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"{path}: permission denied: make it readable (chmod a+r)")
+    return path
 
 
 def shard_files(path: str | Path) -> list[Path]:
@@ -159,14 +185,25 @@ def shard_files(path: str | Path) -> list[Path]:
 def weight_bytes(path: str | Path) -> int:
     """Bytes of the tensors the reader loads (every key but MTP's), from the files' headers: no tensor is read."""
     total = 0
-    for shard in shard_files(path):
-        with open(shard, "rb") as f:  # safetensors: u64 header length, then a JSON header
-            n = int.from_bytes(f.read(8), "little")
-            if n > 100_000_000:  # safetensors' own bound: a corrupt length must not read a whole shard
-                raise CheckpointError(f"{shard}: unreadable safetensors header: the file is truncated or corrupt")
-            header = json.loads(f.read(n))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
-                     if k != "__metadata__" and not k.startswith("mtp."))
+    files, weight_map = _index(Path(path))
+    for name in files:
+        shard = _shard(Path(path) / name, weight_map is not None)
+        corrupt = CheckpointError(f"{shard}: unreadable safetensors header: the file is truncated or corrupt")
+        try:
+            with open(shard, "rb") as f:  # safetensors: u64 header length, then a JSON header
+                n = int.from_bytes(f.read(8), "little")
+                if n > 100_000_000:  # safetensors' own bound: a corrupt length must not read a whole shard
+                    raise corrupt
+                header = json.loads(f.read(n))
+            spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__" and not k.startswith("mtp.")]
+            if not all(isinstance(o, list) and len(o) == 2 and all(type(b) is int for b in o) and 0 <= o[0] <= o[1]
+                       for o in spans):
+                raise corrupt
+        except OSError as e:
+            raise CheckpointError(f"{shard}: {readable(e)}") from None
+        except (ValueError, TypeError, KeyError, AttributeError):  # JSON that is not a header (or not JSON)
+            raise corrupt from None
+        total += sum(o[1] - o[0] for o in spans)
     return total
 
 
@@ -180,9 +217,7 @@ class _Files:
         self.names: dict[str, tuple[str, object]] = {}  # official name -> (file key, stacked slice)
         self.on_read: Callable[[str, str, torch.Tensor], None] | None = None  # (name, file key, tensor as stored)
         for name in files:
-            path = folder / name
-            if not path.exists():
-                raise CheckpointError(f"{path}: listed in {INDEX_FILE} but missing: copy the shard or fix the index")
+            path = _shard(folder / name, weight_map is not None)
             try:
                 h = safe_open(str(path), framework="pt")
                 keys = list(h.keys())
@@ -437,6 +472,9 @@ def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
         return QWeight(t, None, "dense")
     scale, swhere = _need(files, scale_key), _where(files, scale_key)
     if scale.dtype != torch.float8_e8m0fnu:
+        if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise CheckpointError(f"{swhere} has dtype {scale.dtype}: store UE8M0 scales as float8_e8m0fnu (or as "
+                                  "power-of-two floats)")
         scale = scale.float()
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise CheckpointError(f"{swhere} has non-positive or non-finite scales: the scales are corrupt")
@@ -464,6 +502,10 @@ def _read_linear(files: _Files, sp: Spec, scale_key: str | None) -> QWeight:
                               f"{sp.name} {sp.shape} must be {want_s}")
     if kind == "fp8" and torch.isnan(t.float()).any():
         raise CheckpointError(f"{where} has NaN FP8 codes: the weights are corrupt")
+    top = int(scale.view(torch.uint8).max()) - 127 if scale.numel() else 0
+    if top > (119 if kind == "fp8" else 125):  # 2^top x the largest code (448 or 6) would overflow float32
+        raise CheckpointError(f"{swhere} has a scale of 2^{top}: times the largest {kind} code it overflows "
+                              "float32: the scales are corrupt")
     return QWeight(t, scale, kind)
 
 

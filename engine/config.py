@@ -38,6 +38,15 @@ FLASH_SLICE = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num
                                  "beta_fast": 32, "beta_slow": 1})
 
 
+def readable(e: OSError) -> str:
+    """An OSError while reading a checkpoint's file as what to do about it."""
+    if isinstance(e, PermissionError):
+        return "permission denied: make it readable (chmod a+r)"
+    if isinstance(e, IsADirectoryError):
+        return "a folder where a file belongs: replace it with the file"
+    return f"unreadable ({e.strerror or e}): check the file"
+
+
 class ConfigError(ValueError):
     """A config.json that is missing a field or disagrees with itself."""
 
@@ -83,14 +92,18 @@ class Config:
             if want and (not isinstance(v, want) or isinstance(v, bool)):
                 raise ConfigError(f"config: field {f.name} must be {f.type}, got {v!r}")
         may_be_zero = ("num_hash_layers", "n_shared_experts", "hc_sinkhorn_iters")
-        small = [f.name for f in fields(self) if str(f.type) == "int" and getattr(self, f.name) < (
-            0 if f.name in may_be_zero else 1)]
+        small = [f"{f.name} must be >= {int(f.name not in may_be_zero)}, got {getattr(self, f.name)}"
+                 for f in fields(self) if str(f.type) == "int" and getattr(self, f.name) < (f.name not in may_be_zero)]
         if small:
-            raise ConfigError(f"config: field(s) {small} must be >= 1 ({', '.join(may_be_zero)}: >= 0)")
+            raise ConfigError(f"config: field {'; '.join(small)}")
+        odd = [f.name for f in fields(self) if str(f.type) == "float" and not math.isfinite(getattr(self, f.name))]
+        if odd:
+            raise ConfigError(f"config: field(s) {odd} must be finite numbers, got "
+                              f"{[getattr(self, n) for n in odd]}")
         if not (self.rms_norm_eps > 0 and self.hc_eps >= 0 and self.rope_theta > 0 and self.compress_rope_theta > 0
-                and self.swiglu_limit >= 0):
-            raise ConfigError("config: rms_norm_eps, rope_theta and compress_rope_theta must be > 0, hc_eps and "
-                              "swiglu_limit >= 0")
+                and self.swiglu_limit >= 0 and self.routed_scaling_factor > 0):
+            raise ConfigError("config: rms_norm_eps, rope_theta, compress_rope_theta and routed_scaling_factor must "
+                              "be > 0, hc_eps and swiglu_limit >= 0")
         for name in ("rope_scaling", "quantization_config"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"config: field {name} must be an object or null, got {getattr(self, name)!r}")
@@ -100,12 +113,14 @@ class Config:
             raise ConfigError(f"config: rope_scaling type {kind!r} is not supported: V4 uses yarn")
         if kind == "yarn":
             for key in ("factor", "original_max_position_embeddings"):
-                if isinstance(rs.get(key), bool) or not isinstance(rs.get(key), (int, float)) or rs[key] <= 0:
+                if isinstance(rs.get(key), bool) or not isinstance(rs.get(key), (int, float)) or not \
+                        0 < rs[key] < math.inf:
                     raise ConfigError(f"config: rope_scaling (yarn) needs a positive number {key}, got "
                                       f"{rs.get(key)!r}")
             for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
-                if key in rs and (isinstance(rs[key], bool) or not isinstance(rs[key], (int, float))):
-                    raise ConfigError(f"config: rope_scaling (yarn) {key} must be a number, got {rs[key]!r}")
+                if key in rs and (isinstance(rs[key], bool) or not isinstance(rs[key], (int, float))
+                                  or not math.isfinite(rs[key])):
+                    raise ConfigError(f"config: rope_scaling (yarn) {key} must be a number (finite), got {rs[key]!r}")
             if rs.get("attention_factor", 1.0) != 1.0:  # transformers multiplies cos/sin by it
                 raise ConfigError(f"config: rope_scaling (yarn) attention_factor {rs['attention_factor']!r} is not "
                                   "supported: V4 applies no YaRN attention factor (DeepSeek's reference); use 1.0")
@@ -124,9 +139,9 @@ class Config:
         if len(self.compress_ratios) < n:
             raise ConfigError(f"config: compress_ratios has {len(self.compress_ratios)} entries for {n} layers")
         self.compress_ratios = list(self.compress_ratios[:n])
-        bad = [r for r in self.compress_ratios if r not in (0, 4, 128)]
+        bad = [r for r in self.compress_ratios if type(r) is not int or r not in (0, 4, 128)]
         if bad:
-            raise ConfigError(f"config: compress_ratios entries must be 0, 4 or 128, got {bad}")
+            raise ConfigError(f"config: compress_ratios entries must be 0, 4 or 128 (integers), got {bad}")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ConfigError(f"config: scoring_func {self.scoring_func!r} is not sqrtsoftplus, sigmoid or softmax")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
@@ -169,6 +184,9 @@ class Config:
                 raise ConfigError(f"{source}: field {key} must be {what}, got {d[key]!r}")
         if d.get("expert_dtype") is not None and isinstance(d.get("quantization_config"), dict):
             d["quantization_config"] = {"expert_dtype": d["expert_dtype"], **d["quantization_config"]}  # V4's place
+        if d.get("tie_word_embeddings"):
+            raise ConfigError(f"{source}: tie_word_embeddings {d['tie_word_embeddings']!r} is not supported: V4 has "
+                              "its own lm_head (transformers would tie it to the embedding); set it to false")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act {d['hidden_act']!r} is not supported: V4's experts use silu "
                               "(SwiGLU)")
@@ -245,6 +263,8 @@ class Config:
             raise ConfigError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8 JSON") from None
         except FileNotFoundError:
             raise ConfigError(f"{file}: not found: a checkpoint folder needs its config.json") from None
+        except OSError as e:
+            raise ConfigError(f"{file}: {readable(e)}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{file}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(raw, source=str(file))

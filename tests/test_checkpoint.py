@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -76,7 +77,7 @@ def edit_config(folder: Path, **changes) -> Path:
     d = json.loads(path.read_text())
     for k, v in changes.items():
         if v is _DELETE:
-            del d[k]
+            d.pop(k, None)
         else:
             d[k] = v
     path.write_text(json.dumps(d))
@@ -485,6 +486,135 @@ def test_path_that_is_not_a_folder(ck, where):
     one_line(e, path)
 
 
+def test_model_safetensors_beside_an_index_of_other_shards_is_refused(shards, good):
+    """transformers reads a folder's model.safetensors before its index: the two readers would load different
+    weights, so a leftover of either is named."""
+    shutil.copy(good / ST, shards / ST)
+    with pytest.raises(CheckpointError, match=f"holds model.safetensors beside {re.escape(INDEX_FILE)}, which lists "
+                                              "other files: delete the one that is stale") as e:
+        load_model(shards)
+    one_line(e, shards)
+
+
+@pytest.mark.parametrize("name", ["../evil.safetensors", "/tmp/evil.safetensors", "sub/x.safetensors", ".",
+                                  "weights.bin"])
+def test_index_shards_are_file_names_beside_it(shards, name):
+    """A shard outside the folder would load unhashed by checkpoint_sha256 (goldens would still match a changed
+    model); a subfolder's or a non-safetensors name is refused alike."""
+    index = shards / INDEX_FILE
+    d = json.loads(index.read_text())
+    d["weight_map"][next(iter(d["weight_map"]))] = name
+    index.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="is not a .safetensors file name beside the index") as e:
+        load_model(shards)
+    one_line(e, index, repr(name))
+
+
+def _rewrite_header(path: Path, fn) -> None:
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(fn(json.loads(data[8:8 + n]))).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n:])
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda h: {k: (dict(v, data_offsets=None) if k != "__metadata__" else v) for k, v in h.items()},
+    lambda h: {k: {kk: vv for kk, vv in v.items() if kk != "data_offsets"} for k, v in h.items()},
+    lambda h: list(h),
+    lambda h: {k: (dict(v, data_offsets=[5, 1]) if k != "__metadata__" else v) for k, v in h.items()},
+])
+def test_header_that_is_json_but_not_a_safetensors_header(ck, corrupt):
+    """The load's memory check reads the headers before the reader (`weight_bytes`): a header of the wrong JSON
+    shape is a CheckpointError there (the check leaves the naming to the reader), not a TypeError from inside it."""
+    path = ck / ST
+    _rewrite_header(path, corrupt)
+    with pytest.raises(CheckpointError, match="unreadable safetensors header: the file is truncated or corrupt") as e:
+        checkpoint.weight_bytes(ck)
+    one_line(e, path)
+    with pytest.raises(CheckpointError, match="unreadable safetensors .*: the file is truncated or corrupt") as e:
+        load_model(ck)
+    one_line(e, path)
+
+
+def test_a_shard_that_is_not_a_regular_file(ck):
+    """A FIFO named like a shard (the header read would wait on it forever) or a folder."""
+    os.mkfifo(ck / "zz.safetensors")
+    with pytest.raises(CheckpointError, match="not a regular file") as e:
+        load_model(ck)
+    one_line(e, ck / "zz.safetensors")
+    (ck / "zz.safetensors").unlink()
+    (ck / "zz.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_model(ck)
+
+
+def test_a_broken_link_without_an_index(ck, tmp_path):
+    (ck / ST).rename(tmp_path / "moved.safetensors")
+    (ck / ST).symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(CheckpointError, match="a broken link: copy the shard$") as e:
+        load_model(ck)
+    one_line(e, ck / ST)
+
+
+def test_unreadable_files_say_permission(ck, shards, monkeypatch):
+    """Permission denied is named with its fix for config.json, the index and a shard (root reads anything, so the
+    denial is simulated where the reader asks)."""
+    real_read, real_access = Path.read_text, os.access
+
+    def deny(names):
+        monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "no"))
+                            if p.name in names else real_read(p, *a, **k))
+
+    deny({"config.json"})
+    with pytest.raises(ConfigError, match="permission denied: make it readable") as e:
+        load_model(ck)
+    one_line(e, ck / "config.json", "chmod a+r")
+    deny({INDEX_FILE})
+    with pytest.raises(CheckpointError, match="permission denied: make it readable") as e:
+        load_model(shards)
+    one_line(e, shards / INDEX_FILE)
+    monkeypatch.setattr(Path, "read_text", real_read)
+    monkeypatch.setattr(checkpoint.os, "access", lambda p, mode: Path(p).name != ST and real_access(p, mode))
+    with pytest.raises(CheckpointError, match="permission denied: make it readable") as e:
+        load_model(ck)
+    one_line(e, ck / ST)
+
+
+def test_config_json_that_is_a_folder(ck):
+    (ck / "config.json").unlink()
+    (ck / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="a folder where a file belongs") as e:
+        load_model(ck)
+    one_line(e, ck / "config.json")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool])
+def test_scale_of_a_non_float_dtype(ck, dtype):
+    """An exponent byte stored as uint8 (128 meaning 2^1) would read as the value 128 (2^7)."""
+    scale = "layers.0.attn.wq_a.scale"
+    path = edit_tensors(ck, lambda sd: sd.__setitem__(scale, sd[scale].view(torch.uint8).to(dtype)))
+    with pytest.raises(CheckpointError, match=f"has dtype {dtype}: store UE8M0 scales as float8_e8m0fnu") as e:
+        load_model(ck)
+    one_line(e, path, scale)
+
+
+@pytest.mark.parametrize("scale, byte, ok", [
+    ("layers.0.attn.wq_a.scale", 127 + 119, True),  # FP8: 448 x 2^119 < 2^128
+    ("layers.0.attn.wq_a.scale", 127 + 120, False),
+    ("layers.1.ffn.experts.6.w2.scale", 127 + 125, True),  # MXFP4: 6 x 2^125 < 2^128
+    ("layers.1.ffn.experts.6.w2.scale", 127 + 126, False),
+])
+def test_a_scale_that_overflows_float32(ck, scale, byte, ok):
+    path = edit_tensors(ck, lambda sd: sd.__setitem__(scale, set_byte(sd[scale], byte)))
+    if ok:
+        read_checkpoint(ck)
+        return
+    with pytest.raises(CheckpointError, match=f"a scale of 2\\^{byte - 127}: times the largest .* overflows "
+                                              "float32") as e:
+        read_checkpoint(ck)
+    one_line(e, path, scale)
+
+
 # ------------------------------------------------------------------------------------------- config.json
 
 
@@ -512,20 +642,33 @@ def test_config_missing_required_field(ck, field):
 
 @pytest.mark.parametrize("changes, match, field", [
     (dict(compress_ratios=[4]), "compress_ratios has 1 entries for 2 layers", "compress_ratios"),
-    (dict(compress_ratios=[4, 7]), r"must be 0, 4 or 128, got \[7\]", "compress_ratios"),
+    (dict(compress_ratios=[4, 7]), r"must be 0, 4 or 128 \(integers\), got \[7\]", "compress_ratios"),
+    (dict(compress_ratios=[4, 4.0]), r"must be 0, 4 or 128 \(integers\), got \[4.0\]", "compress_ratios"),
     (dict(hidden_size=100), "must be multiples of 32", "hidden_size"),
     (dict(moe_intermediate_size=40), "must be multiples of 32", "moe_intermediate_size"),
     (dict(num_hash_layers=3), "num_hash_layers 3 outside 0..2", "num_hash_layers"),
     (dict(scoring_func="relu"), "scoring_func 'relu'", "scoring_func"),
-    (dict(index_topk=0), r"field\(s\) \['index_topk'\] must be >= 1", "index_topk"),
+    (dict(index_topk=0), r"field index_topk must be >= 1, got 0", "index_topk"),
+    (dict(num_hash_layers=-1, mlp_layer_types=_DELETE), r"field num_hash_layers must be >= 0, got -1",
+     "num_hash_layers"),
     (dict(sliding_window=-3), "must be >= 1", "sliding_window"),
-    (dict(rms_norm_eps=-1.0), "rms_norm_eps, rope_theta and compress_rope_theta must be > 0", "rms_norm_eps"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps, rope_theta, compress_rope_theta and routed_scaling_factor must be > 0",
+     "rms_norm_eps"),
+    (dict(routed_scaling_factor=-1.5), "compress_rope_theta and routed_scaling_factor must be > 0",
+     "routed_scaling_factor"),
+    (dict(routed_scaling_factor=math.nan), r"field\(s\) \['routed_scaling_factor'\] must be finite numbers",
+     "routed_scaling_factor"),
+    (dict(hc_eps=math.inf), r"field\(s\) \['hc_eps'\] must be finite numbers", "hc_eps"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings True is not supported: V4 has its own lm_head",
+     "tie_word_embeddings"),
     (dict(rope_scaling="yarn"), "field rope_scaling must be an object or null", "rope_scaling"),
     (dict(rope_scaling={"type": "yarn"}), "rope_scaling \\(yarn\\) needs a positive number factor", "rope_scaling"),
     (dict(rope_scaling={"type": "llama3", "factor": 8}), "rope_scaling type 'llama3' is not supported",
      "rope_scaling"),
     (dict(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": "abc"}),
-     "rope_scaling \\(yarn\\) beta_fast must be a number, got 'abc'", "rope_scaling"),
+     "rope_scaling \\(yarn\\) beta_fast must be a number \\(finite\\), got 'abc'", "rope_scaling"),
+    (dict(rope_scaling={"type": "yarn", "factor": math.nan, "original_max_position_embeddings": 64}),
+     "rope_scaling \\(yarn\\) needs a positive number factor, got nan", "rope_scaling"),
     (dict(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
                         "attention_factor": 1.3}), "attention_factor 1.3 is not supported: .* use 1.0", "rope_scaling"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported: V4's experts use silu", "hidden_act"),
