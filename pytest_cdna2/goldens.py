@@ -34,7 +34,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -680,13 +680,16 @@ class GoldenWriter:
             w.manifest.update(model_sha256=sha, prompts=[...])
 
     An existing non-empty ``out_dir`` is refused unless ``regen=True`` and it is a golden store (holds a
-    manifest); then it is swapped out only after the new store is complete. On an exception nothing at
-    ``out_dir`` changes.
+    manifest); then it is swapped out only after the new store is complete. ``verify`` (the temporary folder)
+    runs before the rename: a store it refuses is never put in place. On an exception nothing at ``out_dir``
+    changes.
     """
 
-    def __init__(self, out_dir: str | Path, *, regen: bool = False) -> None:
+    def __init__(self, out_dir: str | Path, *, regen: bool = False,
+                 verify: Callable[[Path], object] | None = None) -> None:
         self.out = Path(out_dir).resolve()  # `.` too: the temporary folder goes beside it, never inside
         self.regen = regen
+        self.verify = verify
         if self.out.exists() and not self.out.is_dir():
             raise GoldenError(f"{self.out} exists and is not a folder")
         base = next((p for p in self.out.parents if p.exists()), self.out)  # where it and its temporary folder go
@@ -769,6 +772,8 @@ class GoldenWriter:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, and its files 0600: goldens are shared read-only
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
+        if self.verify is not None:
+            self.verify(tmp)
         if self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
         if not self.out.exists():
@@ -857,7 +862,8 @@ def build_goldens(
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"unknown floating dtype {dtype!r}")
-    writer = GoldenWriter(out_dir, regen=regen)  # refuse an existing store before the slow part
+    writer = GoldenWriter(out_dir, regen=regen,  # refuses an existing store before the slow part
+                          verify=lambda tmp: GoldenStore.open(tmp, expected_model_sha256=sha, config=cfg))
     if model is None:  # dtype a name, as pytest passes it
         model = load_engine(engine, model_dir, device=device, backend=backend, dtype=str(dtype).removeprefix("torch."),
                             also=("trace",))
@@ -913,6 +919,9 @@ def build_goldens(
                 hint = " (float64's limit is 1e-9: an engine that keeps float32 parts in a float64 run fails it, so " \
                     "build with --dtype float32)" if other and run == "float64" else ""
                 raise GoldenError(f"prompt {name}: {problem}; fix the engine before building goldens from it{hint}")
+            if not (torch.isfinite(tr.logits).all() and torch.isfinite(gen.logits).all()):
+                raise GoldenError(f"prompt {name}: the engine returned non-finite logits: fix the engine or its "
+                                  "checkpoint before building goldens from it")
             if not _logits_hold(tr.logits[0], gen.logits[0], run):  # the store would be refused at every load
                 raise GoldenError(f"prompt {name}: the engine returned logits of dtype {tr.logits.dtype} (trace) and "
                                   f"{gen.logits.dtype} (generate) from a {run} run: {_LOGITS_RULE}")

@@ -505,6 +505,43 @@ def test_a_build_refuses_logits_its_store_would_refuse(tmp_path):
     assert not (tmp_path / "g").exists()
 
 
+def test_a_build_with_non_finite_logits_writes_nothing(tmp_path):
+    """An engine (or checkpoint) that makes NaN logits: the build names it at the prompt, before anything is
+    written (a store of them was committed, then refused when reopened: it blocked the next build without
+    --regen and failed `verify`)."""
+    from test_plugin_fake_engine import make_model, write_fake_model
+
+    model = make_model(str(write_fake_model(tmp_path / "m", seed=1)))
+    generate, trace = model.generate, model.trace
+
+    def nan_generate(ids, n):
+        gen = generate(ids, n)
+        gen.logits[..., 3] = float("nan")
+        return gen
+
+    def nan_trace(ids, **kw):
+        tr = trace(ids, **kw)
+        tr.logits[..., 3] = float("nan")
+        return tr
+
+    model.generate, model.trace = nan_generate, nan_trace
+    with pytest.raises(GoldenError, match=r"prompt p00: the engine returned non-finite logits: fix the engine or "
+                                          r"its checkpoint before building goldens from it$"):
+        build_goldens(None, tmp_path / "g", [b"hello"], 3, model=model, progress=False)
+    assert not (tmp_path / "g").exists() and not list(tmp_path.glob(".g.*"))
+
+
+def test_the_writer_puts_no_store_in_place_that_its_check_refuses(tmp_path):
+    def refuse(tmp) -> None:
+        assert (tmp / MANIFEST).is_file()  # checked complete, before the rename
+        raise GoldenError("refused")
+
+    with pytest.raises(GoldenError, match="refused"):
+        with GoldenWriter(tmp_path / "g", verify=refuse) as w:
+            w.write("teacher.safetensors", {"p00.logits": torch.zeros(2, 3)})
+    assert not (tmp_path / "g").exists() and not list(tmp_path.glob(".g.*"))
+
+
 def test_steps_text_names_each_prompts_steps_where_they_differ(tmp_path):
     """Messages said "2 prompts, 3 steps" for a store of 3 and 2 steps (`steps` is the most)."""
     from test_plugin_fake_engine import make_model, write_fake_model
