@@ -247,7 +247,22 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     missing = "" if s.model.exists() else " (missing)"
     lines.append(f"cdna2 engine: {s.engine} backend={s.backend} model={s.model}{missing}")
     lines.append(f"cdna2 goldens: {s.goldens}{_recorded_by(s)}  tolerance: {s.tolerance.name} ({s.tolerance.path})")
+    if os.environ.get("CDNA2_REFERENCE_OPS", "").strip():
+        ops = _reference_ops(s)
+        what = (f"runs {', '.join(ops)} on the reference (perf is skipped)" if ops else
+                "changes nothing here (it acts on the bundled engine's triton backend)")
+        lines.append(f"cdna2 env CDNA2_REFERENCE_OPS: the model {what}; the kernel tier checks every kernel")
     return lines
+
+
+def _reference_ops(s: Settings) -> tuple[str, ...]:
+    """The ops CDNA2_REFERENCE_OPS takes off their kernels for this session's engine (the bundled one's triton
+    backend: elsewhere it changes nothing)."""
+    from cdna2_engine.ops import split_names
+
+    if s.engine != "bundled" or s.backend != "triton":
+        return ()
+    return tuple(split_names(os.environ.get("CDNA2_REFERENCE_OPS", "")))
 
 
 def _recorded_by(s: Settings) -> str:
@@ -300,7 +315,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     gate = item.config.stash[_GATE]
     pending = [i.nodeid for i in item.session.items if not _is_perf(i) and i.nodeid not in gate.finished]
     reason = gate.skip_reason(device=s.device, xdist_worker=hasattr(item.config, "workerinput"),
-                              perf_on_cpu=s.perf_on_cpu, pending=pending)
+                              perf_on_cpu=s.perf_on_cpu, pending=pending, reference_ops=_reference_ops(s))
     if reason:
         raise pytest.skip.Exception(reason, _use_item_location=True)  # -rs shows the test, not this line
 

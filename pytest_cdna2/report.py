@@ -194,9 +194,9 @@ class PerfGate:
             self.collect_errors.append(report.nodeid or "(session)")
 
     def skip_reason(self, *, device: str, xdist_worker: bool, perf_on_cpu: bool,
-                    pending: list[str] | None = None) -> str | None:
+                    pending: list[str] | None = None, reference_ops: tuple[str, ...] = ()) -> str | None:
         """Why a perf test must not run now, or None when it may. ``pending``: correctness tests of the session
-        that have not run yet."""
+        that have not run yet; ``reference_ops``: ops the engine runs on the reference (CDNA2_REFERENCE_OPS)."""
         if xdist_worker:
             return (
                 "cdna2 perf: gated on the whole session, which xdist splits over workers; run the "
@@ -210,6 +210,9 @@ class PerfGate:
         head = [f"skipped because {'; '.join(stop)}"] if stop else []
         if device == "cpu" and not perf_on_cpu:
             head.append("the device is the CPU; perf numbers need a GPU (--cdna2-device=N)")
+        if reference_ops:
+            head.append(f"CDNA2_REFERENCE_OPS runs {', '.join(reference_ops)} on the reference; perf times the "
+                        "kernels: unset it")
         why = []  # what the session did not run
         if self.deselected:
             why.append(f"{self.deselected} correctness test(s) deselected (-k, -m, --lf, --sw)")

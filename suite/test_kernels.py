@@ -34,7 +34,9 @@ def backend_ops(cdna2_settings):
         import cdna2_engine.ops.triton as tri
 
         mp.setattr(tri, "POISON", True)
-    yield get_ops(cdna2_settings.backend)
+    table = get_ops(cdna2_settings.backend, reference_ops=[])  # every kernel, whatever CDNA2_REFERENCE_OPS says
+    assert table.backend == "reference" or not table.reference_ops, table.reference_ops
+    yield table
     mp.undo()
 
 

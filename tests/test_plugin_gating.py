@@ -419,3 +419,13 @@ def test_missing_isa_tier_names_triton_when_it_is_not_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     assert "no passing isa test in this session (the isa tier compiles with Triton, not installed: pip install -e " \
            "'.[suite]')" in gate.skip_reason(**kw)
+
+
+def test_reference_ops_block_perf():
+    """A model with ops switched to the reference (CDNA2_REFERENCE_OPS) is not what perf should time."""
+    from pytest_cdna2.report import PerfGate
+
+    kw = dict(device="cuda:0", xdist_worker=False, perf_on_cpu=False)
+    assert PerfGate(()).skip_reason(**kw) is None
+    assert "CDNA2_REFERENCE_OPS runs attention, linear on the reference; perf times the kernels: unset it" in \
+        PerfGate(()).skip_reason(**kw, reference_ops=("attention", "linear"))

@@ -221,3 +221,16 @@ def test_load_faulty_names_the_fault_to_set(monkeypatch):
     with pytest.raises(ValueError, match="unknown fault 'rope_thrice'") as unknown:
         load_faulty(str(DEFAULT_MODEL))
     assert all(name in str(e.value) for e in (unset, unknown) for name in FAULTS)
+
+
+def test_the_kernel_tier_checks_every_kernel_whatever_cdna2_reference_ops_says(pytester):
+    """The variable narrows a failing model to one op; the kernel tier compared the reference op with float64
+    (a check that cannot fail) for every op it named, and perf then ran. Now the kernels run, the header says what
+    the variable does, and perf is skipped."""
+    env = {"CDNA2_REFERENCE_OPS": "swiglu"}
+    r = run_suite(pytester, SUITE.parent / "goldens" / "tiny-v4" / "model", SUITE.parent / "goldens" / "tiny-v4" /
+                  "goldens", "--cdna2-backend=triton", "-k", "test_swiglu", "-v", str(SUITE / "test_kernels.py"),
+                  env=env)
+    r.assert_outcomes(passed=2, skipped=2)  # float32; the 16-bit cases are for a GPU
+    r.stdout.fnmatch_lines(["cdna2 env CDNA2_REFERENCE_OPS: the model runs swiglu on the reference (perf is "
+                            "skipped); the kernel tier checks every kernel"])
