@@ -194,6 +194,10 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
         check_engine(model, f"--cdna2-engine={s.engine}", device=s.device)
     except ValueError as e:
         _stop(request, f"cdna2: {e}")
+    runs = str(getattr(model, "dtype", s.dtype)).removeprefix("torch.")
+    if not takes_dtype(factory) and runs != s.dtype:  # the limits are the session dtype's profile
+        _stop(request, f"cdna2: --cdna2-engine={s.engine} runs in {runs} (its .dtype; the factory takes no dtype) "
+                       f"and the tolerance profile is {s.dtype}'s: pass --cdna2-dtype={runs}")
     return model
 
 

@@ -371,3 +371,27 @@ def test_an_engine_on_a_gpu_the_host_lacks_stops_the_run_in_one_line(pytester, m
                             "cuda:0 (asked for cpu), which this host does not have: load it on the device the factory "
                             "is given*"])
     assert "Traceback" not in r.stdout.str()
+
+
+def make_model_without_dtype(path: str, *, device: str = "cpu", backend: str = "reference"):
+    """A factory that takes no dtype: its engine runs in float64 (the fake model's .dtype) whatever the session."""
+    from test_plugin_fake_engine import make_model
+
+    return make_model(path, device=device, backend=backend)
+
+
+def test_an_engine_whose_factory_takes_no_dtype_must_run_in_the_profiles_dtype(pytester, tmp_path):
+    """--cdna2-dtype could not reach it, but its limits were still that dtype's profile (bfloat16's by default on a
+    GPU: a float32 engine judged at bf16 limits, silently): the run stops naming the dtype to pass, and goes on
+    with it."""
+    from test_plugin_fake_engine import write_fake_model
+
+    folder = write_fake_model(tmp_path / "m", seed=1)
+    pytester.makepyfile("def test_x(cdna2_engine): pass")
+    engine = "--cdna2-engine=test_plugin_fixtures:make_model_without_dtype"
+    r = run(pytester, engine, f"--cdna2-model={folder}")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*Interrupted: cdna2: --cdna2-engine=test_plugin_fixtures:make_model_without_dtype runs "
+                            "in float64 (its .dtype; the factory takes no dtype) and the tolerance profile is "
+                            "float32's: pass --cdna2-dtype=float64*"])
+    run(pytester, engine, f"--cdna2-model={folder}", "--cdna2-dtype=float64").assert_outcomes(passed=1)
