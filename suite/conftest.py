@@ -14,7 +14,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(cdna2_plugin):
         raise pytest.UsageError(
             "suite/ needs the pytest-cdna2 plugin, which is not loaded (-p no:cdna2, or plugin autoload disabled): "
-            "drop -p no:cdna2, or add -p pytest_cdna2.plugin"
+            "drop -p no:cdna2, or add -p cdna2"
         )
 
 
