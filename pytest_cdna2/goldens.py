@@ -281,9 +281,7 @@ class GoldenStore:
         :meth:`_check_selections`). A store whose files match their hashes but not each other is one GoldenError at
         open, not a traceback in every test or a failure blamed on the engine."""
         mpath = self.path / MANIFEST
-        names = [p["name"] for p in self.manifest["prompts"]]
-        if not names:
-            raise GoldenError(f"{mpath}: no prompts, so the token tier would check nothing; {_BUILD_HINT}")
+        names = [p["name"] for p in self.manifest["prompts"]]  # at least one (`read_manifest`)
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise GoldenError(f"{mpath}: prompt names repeat ({', '.join(dup)}); {_BUILD_HINT}")
@@ -650,6 +648,11 @@ def _check_layout(manifest: dict, mpath: Path) -> None:
         and p["tokens"] and all(isinstance(t, int) and t >= 0 for t in p["tokens"]) for p in prompts
     ):
         raise GoldenError(f"{mpath}: 'prompts' must be a list of {{name, tokens: [token ids]}}; {_BUILD_HINT}")
+    if not prompts:  # read before collection too: the suite would parametrize over nothing and pass
+        raise GoldenError(f"{mpath}: no prompts, so the token tier would check nothing; {_BUILD_HINT}")
+    for key in ("vocab_size", "num_hidden_layers"):
+        if key in manifest and (type(manifest[key]) is not int or manifest[key] < 1):
+            raise GoldenError(f"{mpath}: {key!r} must be a positive integer, got {manifest[key]!r}; {_BUILD_HINT}")
     if not all(isinstance(n, int) and n >= 0 for n in (steps if isinstance(steps, list) else [steps])):
         raise GoldenError(f"{mpath}: 'steps' must be a count or a list of counts; {_BUILD_HINT}")
     dtype = getattr(torch, str(manifest.get("dtype")), None)

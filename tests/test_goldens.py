@@ -132,6 +132,8 @@ def test_bad_manifest(tmp_path):
     ({"prompts": [{"name": "p00"}]}, "'prompts' must be a list of {name, tokens: .token ids.}"),
     ({"prompts": [{"name": "p00", "tokens": []}]}, "'prompts' must be a list"),
     ({"prompts": "p00"}, "'prompts' must be a list"),
+    ({"vocab_size": "256"}, "'vocab_size' must be a positive integer, got '256'"),
+    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer, got 0"),
     ({"steps": "x"}, "'steps' must be a count or a list of counts"),
     ({"dtype": "int64"}, "'dtype' must name the logits' floating dtype"),
     ({"dtype": None}, "'dtype' must name the logits' floating dtype"),

@@ -1,5 +1,5 @@
-"""The suite's own conftest at collection: a broken golden store and a disabled plugin stop the session in one
-line that no -k or -m can deselect."""
+"""The suite's own conftest at collection: a broken golden store (one without prompts too) and a disabled plugin stop
+the session in one line that no -k or -m can deselect."""
 
 from __future__ import annotations
 
@@ -26,6 +26,19 @@ def test_an_unreadable_manifest_is_a_collection_error_that_k_cannot_hide(pyteste
     assert r.ret == pytest.ExitCode.INTERRUPTED
     r.stdout.fnmatch_lines([f"cdna2: {store / 'manifest.json'}: not valid JSON (*); rebuild with *"])
     assert "Traceback" not in r.stdout.str() and "During handling" not in r.stdout.str()
+
+
+def test_a_store_without_prompts_is_a_collection_error_not_a_green_run(pytester, tmp_path):
+    """The suite parametrized over no prompt and passed (the store itself is opened only by a test's fixture)."""
+    import json
+
+    store = tmp_path / "g"
+    shutil.copytree(BUNDLED_GOLDENS, store)
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**manifest, "prompts": []}))
+    r = collect(pytester, "--cdna2-device=cpu", f"--cdna2-goldens={store}")
+    assert r.ret == pytest.ExitCode.INTERRUPTED
+    r.stdout.fnmatch_lines([f"cdna2: {store / 'manifest.json'}: no prompts, so the token tier would check nothing; *"])
 
 
 def test_a_missing_manifest_names_the_store(pytester, tmp_path):
