@@ -198,6 +198,8 @@ def _resolve(config: pytest.Config) -> Settings:
     engine = str(_opt(config, "engine")[0] or "bundled")
     if engine != "bundled" and not ENGINE_SPEC.fullmatch(engine):
         raise pytest.UsageError(f"--cdna2-engine={engine}: expected bundled or module:factory")
+    if backend == "triton" and engine == "bundled":
+        _need_triton()
     if model_v is not None and engine == "bundled" and not (model / "config.json").is_file():
         raise pytest.UsageError(f"--cdna2-model: {model} has no config.json, so it is not a checkpoint: pass the "
                                 "folder holding config.json and the *.safetensors (official DeepSeek-V4 layout)")
@@ -237,6 +239,25 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_TALLY] = TierTally()
     config.pluginmanager.register(_Recorder(config.stash[_GATE], config.stash[_TALLY]), "cdna2-recorder")
     config.pluginmanager.register(_PerfLast(), "cdna2-perf-last")
+
+
+def _need_triton() -> None:
+    """The bundled engine's triton backend without (a recent enough) Triton: a usage error before any test, not a
+    traceback in the first engine test after the weight tier. The module's own version (ROCm's Triton is the
+    package pytorch-triton-rocm)."""
+    import importlib.util
+
+    from cdna2_engine.ops import triton_check
+
+    found = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        found = getattr(triton, "__version__", None)
+    try:
+        triton_check(found)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"--cdna2-backend=triton: {e}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

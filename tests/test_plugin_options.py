@@ -237,3 +237,18 @@ def test_regen_refuses_the_bundled_goldens(pytester):
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["ERROR: --cdna2-regen-goldens: * is the golden store bundled with the package; "
                             "refusing to rewrite it*"])
+
+
+def test_the_triton_backend_without_triton_is_a_usage_error(pytester, monkeypatch):
+    """It was a traceback in the first engine test, after the weight tier had run."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester, "--cdna2-backend=triton")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "ERROR: --cdna2-backend=triton: the triton backend needs Triton >= " in r.stderr.str()
+    assert "which is not installed: pip install" in r.stderr.str() and "Traceback" not in r.stderr.str()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert run(pytester, "--cdna2-backend=triton").ret == pytest.ExitCode.OK
