@@ -155,7 +155,24 @@ def resolve_settings(config: pytest.Config) -> Settings:
         raise pytest.UsageError(f"{where} in {config.inipath}{rest}") from None
 
 
+def _unknown_keys(config: pytest.Config) -> None:
+    """A misspelt cdna2_* ini key (or -o key) is a usage error naming the closest one: pytest only warns, and the
+    run went on with the default it meant to change (the first GPU instead of the CPU, say)."""
+    import difflib
+
+    known = sorted("cdna2_" + name.replace("-", "_") for name, *_ in _OPTIONS)
+    given = [(o.split("=", 1)[0].strip(), f"-o {o}") for o in (config.getoption("override_ini", None) or [])]
+    unknown = getattr(config, "_get_unknown_ini_keys", lambda: [])()  # what pytest's warning lists (no public API)
+    given += [(k, f"ini key {k} in {config.inipath}") for k in unknown if k not in dict(given)]
+    for key, where in given:
+        if key.startswith("cdna2") and key not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the keys are {', '.join(known)}"
+            raise pytest.UsageError(f"{where}: not a pytest-cdna2 key: {hint}")
+
+
 def _resolve(config: pytest.Config) -> Settings:
+    _unknown_keys(config)
     dev_spec, _ = _opt(config, "device")
     selected = devices.parse_device_spec(None if dev_spec is None else str(dev_spec))
     device = devices.pick_for_worker(selected, devices.worker_index())
@@ -243,17 +260,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _need_triton() -> None:
     """The bundled engine's triton backend without (a recent enough) Triton: a usage error before any test, not a
-    traceback in the first engine test after the weight tier. The module's own version (ROCm's Triton is the
-    package pytorch-triton-rocm)."""
+    traceback in the first engine test, after the weight tier. The version of the distribution that provides the
+    module (ROCm's is pytorch-triton-rocm), read without importing it: a C extension imported here and dropped by
+    pytester's module snapshot crashed when imported again."""
+    import importlib.metadata
     import importlib.util
 
     from cdna2_engine.ops import triton_check
 
     found = None
     if importlib.util.find_spec("triton") is not None:
-        import triton
-
-        found = getattr(triton, "__version__", None)
+        for dist in importlib.metadata.packages_distributions().get("triton", []):
+            found = importlib.metadata.version(dist)
     try:
         triton_check(found)
     except RuntimeError as e:

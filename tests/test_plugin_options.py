@@ -252,3 +252,23 @@ def test_the_triton_backend_without_triton_is_a_usage_error(pytester, monkeypatc
     assert "which is not installed: pip install" in r.stderr.str() and "Traceback" not in r.stderr.str()
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert run(pytester, "--cdna2-backend=triton").ret == pytest.ExitCode.OK
+
+
+@pytest.mark.parametrize("ini, where, hint", [
+    ("[pytest]\ncdna2_devcie = cpu\n", "ini key cdna2_devcie in *", "did you mean cdna2_device?"),
+    ("[pytest]\ncdna2_perf-on-cpu = true\n", "ini key cdna2_perf-on-cpu in *", "did you mean cdna2_perf_on_cpu?"),
+])
+def test_a_misspelt_ini_key_is_a_usage_error(pytester, ini, where, hint):
+    """pytest only warned, and the run went on with the default the key meant to change."""
+    pytester.makeini(ini)
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([f"ERROR: {where}: not a pytest-cdna2 key: {hint}"])
+
+
+def test_a_misspelt_override_is_a_usage_error(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester, "-o", "cdna2_backedn=triton")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: -o cdna2_backedn=triton: not a pytest-cdna2 key: did you mean cdna2_backend?"])
