@@ -704,16 +704,16 @@ class GoldenWriter:
                 f"{self.out} is not empty and has no {MANIFEST}, so it is not a golden store; refusing to "
                 f"replace it: pass a new or empty folder"
             )
+        if self.out.resolve() == BUNDLED_GOLDENS:  # first: --regen is refused for it too, so do not suggest it
+            raise GoldenError(
+                f"{self.out} is the golden store bundled with pytest-cdna2; refusing to rewrite it: build into "
+                f"another folder and pass it with --cdna2-goldens"
+            )
         if self.out.is_dir() and any(self.out.iterdir()) and not regen:
             self._refuse_unlisted(self.out)  # first: --regen would refuse these too, so do not suggest it
             raise GoldenError(
                 f"goldens already exist at {self.out}; refusing to overwrite them: pass --regen "
                 f"(`cdna2 goldens build`) or --cdna2-regen-goldens (pytest) to rewrite them"
-            )
-        if regen and self.out.resolve() == BUNDLED_GOLDENS:
-            raise GoldenError(
-                f"{self.out} is the golden store bundled with pytest-cdna2; refusing to rewrite it: build into "
-                f"another folder and pass it with --cdna2-goldens"
             )
         if regen and self.out.is_dir():
             self._refuse_unlisted(self.out)
