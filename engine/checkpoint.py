@@ -14,6 +14,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -630,8 +631,9 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
             tmp = entry.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(digest + "\n", encoding="ascii")
             tmp.replace(entry)
-        except OSError:
-            pass
+        except OSError as e:  # every later run re-reads every byte (minutes for V4-Flash): say so
+            warnings.warn(f"{entry.parent}: the checkpoint hash cannot be kept there ({e.strerror or e}), so each run "
+                          "hashes the weights again: point CDNA2_CACHE_DIR at a writable folder", stacklevel=2)
     return digest
 
 

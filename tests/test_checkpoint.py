@@ -1152,3 +1152,14 @@ def test_checkpoint_hash_sees_an_in_place_edit_whose_mtime_was_put_back(tmp_path
     entry.write_text("0" * 64 + "\n")  # a kept hash gone wrong
     assert checkpoint.checkpoint_sha256(folder, cached=False) == edited
     assert checkpoint.checkpoint_sha256(folder) == edited
+
+
+def test_a_hash_cache_that_cannot_be_written_is_said(tmp_path, monkeypatch):
+    """CDNA2_CACHE_DIR naming a file: no hash was kept and nothing said so (V4-Flash re-hashed ~160 GB a run)."""
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("CDNA2_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    folder = make_checkpoint(tmp_path / "m", make_config("csa-only"), seed=3)
+    _age(folder, 60.0)
+    with pytest.warns(UserWarning, match=r"not-a-folder: the checkpoint hash cannot be kept there \(.*\), so each run "
+                                         "hashes the weights again: point CDNA2_CACHE_DIR at a writable folder"):
+        checkpoint.checkpoint_sha256(folder)
