@@ -100,8 +100,8 @@ def _raw(config: pytest.Config, name: str) -> tuple[object, str]:
     string stays empty (it is an error, not the default)."""
     dest = "cdna2_" + name.replace("-", "_")
     value = config.getoption(dest)
-    if value is not None:
-        return value, "cli"
+    if value is not None:  # stripped as ini values are (a quoted "reference " was refused with an unseen space)
+        return (value.strip() if isinstance(value, str) else value), "cli"
     try:
         ini = config.getini(dest)
     except (ValueError, pytest.UsageError) as e:  # pytest's message does not say what the key takes

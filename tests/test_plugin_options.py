@@ -272,3 +272,11 @@ def test_a_misspelt_override_is_a_usage_error(pytester):
     r = run(pytester, "-o", "cdna2_backedn=triton")
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["ERROR: -o cdna2_backedn=triton: not a pytest-cdna2 key: did you mean cdna2_backend?"])
+
+
+def test_command_line_values_are_stripped_as_ini_values_are(pytester):
+    """--cdna2-backend="reference " was refused, its message showing no space."""
+    pytester.makepyfile("def test_x(cdna2_settings):\n    print('BACKEND', repr(cdna2_settings.backend))\n")
+    r = run(pytester, "-s", "--cdna2-backend=reference ")
+    assert r.ret == pytest.ExitCode.OK
+    r.stdout.fnmatch_lines(["*BACKEND 'reference'"])
