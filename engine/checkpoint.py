@@ -30,6 +30,10 @@ from .ops import QWeight
 INDEX_FILE = "model.safetensors.index.json"
 
 
+class CheckpointCacheWarning(UserWarning):
+    """The checkpoint hash could not be kept (filter it by this class under -W error)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as DeepSeek-V4: one line naming file, key and fix."""
 
@@ -633,7 +637,8 @@ def checkpoint_sha256(path: str | Path, *, cached: bool = True) -> str:
             tmp.replace(entry)
         except OSError as e:  # every later run re-reads every byte (minutes for V4-Flash): say so
             warnings.warn(f"{entry.parent}: the checkpoint hash cannot be kept there ({e.strerror or e}), so each run "
-                          "hashes the weights again: point CDNA2_CACHE_DIR at a writable folder", stacklevel=2)
+                          "hashes the weights again: point CDNA2_CACHE_DIR at a writable folder",
+                          CheckpointCacheWarning, stacklevel=2)
     return digest
 
 

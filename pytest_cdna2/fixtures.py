@@ -196,8 +196,13 @@ def cdna2_engine(request: pytest.FixtureRequest) -> Any:
         _stop(request, f"cdna2: {e}")
     runs = str(getattr(model, "dtype", s.dtype)).removeprefix("torch.")
     if not takes_dtype(factory) and runs != s.dtype:  # the limits are the session dtype's profile
+        from pytest_cdna2.plugin import DTYPES
+
+        fix = f"pass --cdna2-dtype={runs}" if runs in DTYPES else (
+            f"no profile is derived for {runs}: let the factory take dtype=, or pass --cdna2-tolerance=FILE with "
+            "limits for it")
         _stop(request, f"cdna2: --cdna2-engine={s.engine} runs in {runs} (its .dtype; the factory takes no dtype) "
-                       f"and the tolerance profile is {s.dtype}'s: pass --cdna2-dtype={runs}")
+                       f"and the tolerance profile is {s.dtype}'s: {fix}")
     return model
 
 

@@ -162,10 +162,15 @@ def _unknown_keys(config: pytest.Config) -> None:
 
     known = sorted("cdna2_" + name.replace("-", "_") for name, *_ in _OPTIONS)
     given = [(o.split("=", 1)[0].strip(), f"-o {o}") for o in (config.getoption("override_ini", None) or [])]
-    unknown = getattr(config, "_get_unknown_ini_keys", lambda: [])()  # what pytest's warning lists (no public API)
-    given += [(k, f"ini key {k} in {config.inipath}") for k in unknown if k not in dict(given)]
+    unknown = set(getattr(config, "_get_unknown_ini_keys", lambda: [])())  # pytest's warning's list (no public API)
+    for key, _ in given:  # -o keys: unknown unless some plugin registered them (its cdna2x_* too)
+        try:
+            config.getini(key)
+        except ValueError:
+            unknown.add(key)
+    given += [(k, f"ini key {k} in {config.inipath}") for k in sorted(unknown) if k not in dict(given)]
     for key, where in given:
-        if key.startswith("cdna2") and key not in known:
+        if key.startswith("cdna2") and key not in known and key in unknown:
             close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
             hint = f"did you mean {close[0]}?" if close else f"the keys are {', '.join(known)}"
             raise pytest.UsageError(f"{where}: not a pytest-cdna2 key: {hint}")
@@ -260,21 +265,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _need_triton() -> None:
     """The bundled engine's triton backend without (a recent enough) Triton: a usage error before any test, not a
-    traceback in the first engine test, after the weight tier. The version of the distribution that provides the
-    module (ROCm's is pytorch-triton-rocm), read without importing it: a C extension imported here and dropped by
-    pytester's module snapshot crashed when imported again."""
-    import importlib.metadata
+    traceback in the first engine test, after the weight tier. The version is read from the module's own
+    __init__.py, the files `import triton` would load (a source tree on PYTHONPATH, ROCm's pytorch-triton-rocm),
+    without importing it: a C extension imported here and dropped by pytester's module snapshot crashed when
+    imported again."""
     import importlib.util
 
     from cdna2_engine.ops import triton_check
 
+    spec = importlib.util.find_spec("triton")
     found = None
-    if importlib.util.find_spec("triton") is not None:
-        for dist in importlib.metadata.packages_distributions().get("triton", []):
-            found = importlib.metadata.version(dist)
+    if spec is not None:
+        try:
+            m = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", Path(spec.origin or "").read_text(
+                encoding="utf-8"), re.M)
+        except (OSError, UnicodeDecodeError):
+            m = None
+        if m is None:
+            return  # no literal version to read: the engine's own check judges the imported module
+        found = m.group(1)
     try:
         triton_check(found)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise pytest.UsageError(f"--cdna2-backend=triton: {e}") from None
 
 

@@ -1160,6 +1160,7 @@ def test_a_hash_cache_that_cannot_be_written_is_said(tmp_path, monkeypatch):
     monkeypatch.setenv("CDNA2_CACHE_DIR", str(tmp_path / "not-a-folder"))
     folder = make_checkpoint(tmp_path / "m", make_config("csa-only"), seed=3)
     _age(folder, 60.0)
-    with pytest.warns(UserWarning, match=r"not-a-folder: the checkpoint hash cannot be kept there \(.*\), so each run "
-                                         "hashes the weights again: point CDNA2_CACHE_DIR at a writable folder"):
+    with pytest.warns(checkpoint.CheckpointCacheWarning,
+                      match=r"not-a-folder: the checkpoint hash cannot be kept there \(.*\), so each run hashes the "
+                            "weights again: point CDNA2_CACHE_DIR at a writable folder"):
         checkpoint.checkpoint_sha256(folder)

@@ -395,3 +395,22 @@ def test_an_engine_whose_factory_takes_no_dtype_must_run_in_the_profiles_dtype(p
                             "in float64 (its .dtype; the factory takes no dtype) and the tolerance profile is "
                             "float32's: pass --cdna2-dtype=float64*"])
     run(pytester, engine, f"--cdna2-model={folder}", "--cdna2-dtype=float64").assert_outcomes(passed=1)
+
+
+def make_half_model_without_dtype(path: str, *, device: str = "cpu", backend: str = "reference"):
+    model = make_model_without_dtype(path, device=device, backend=backend)
+    model.dtype = torch.float16
+    return model
+
+
+def test_an_engine_in_a_dtype_without_a_profile_is_told_what_to_do(pytester, tmp_path):
+    """float16 has no derived profile, so --cdna2-dtype=float16 (refused) is not the advice."""
+    from test_plugin_fake_engine import write_fake_model
+
+    folder = write_fake_model(tmp_path / "m", seed=1)
+    pytester.makepyfile("def test_x(cdna2_engine): pass")
+    r = run(pytester, "--cdna2-engine=test_plugin_fixtures:make_half_model_without_dtype", f"--cdna2-model={folder}")
+    r.assert_outcomes(errors=1)
+    r.stdout.fnmatch_lines(["*runs in float16 (its .dtype; the factory takes no dtype) and the tolerance profile is "
+                            "float32's: no profile is derived for float16: let the factory take dtype=, or pass "
+                            "--cdna2-tolerance=FILE with limits for it*"])

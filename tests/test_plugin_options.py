@@ -280,3 +280,33 @@ def test_command_line_values_are_stripped_as_ini_values_are(pytester):
     r = run(pytester, "-s", "--cdna2-backend=reference ")
     assert r.ret == pytest.ExitCode.OK
     r.stdout.fnmatch_lines(["*BACKEND 'reference'"])
+
+
+def test_another_plugins_cdna2x_key_passes_both_ways(pytester):
+    """Only unknown keys are refused: one another plugin registers passes from the ini file and from -o alike."""
+    pytester.makeconftest("def pytest_addoption(parser):\n    parser.addini('cdna2x_mode', 'another plugin')\n")
+    pytester.makepyfile("def test_x(): pass")
+    assert run(pytester, "-o", "cdna2x_mode=1").ret == pytest.ExitCode.OK
+    pytester.makeini("[pytest]\ncdna2x_mode = 1\n")
+    assert run(pytester).ret == pytest.ExitCode.OK
+
+
+@pytest.mark.parametrize("version, ok", [("3.9.0", True), ("3.9.0+rocm7.1", True), ("2.1.0", False)])
+def test_the_triton_version_is_read_from_the_module_it_would_import(pytester, monkeypatch, tmp_path, version, ok):
+    """A source tree on the path or ROCm's pytorch-triton-rocm: the version in the triton/__init__.py that import
+    would load (no distribution metadata needed), too old refused in one line."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    init = tmp_path / "triton" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text(f"__version__ = '{version}'\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: SimpleNamespace(origin=str(init)) if name == "triton" else real(name, *a))
+    pytester.makepyfile("def test_x(): pass")
+    r = run(pytester, "--cdna2-backend=triton")
+    assert r.ret == (pytest.ExitCode.OK if ok else pytest.ExitCode.USAGE_ERROR)
+    if not ok:
+        assert f"ERROR: --cdna2-backend=triton: the triton backend needs Triton >= 3.5, found {version}" in \
+            r.stderr.str()
