@@ -84,6 +84,20 @@ def test_pair_in_the_interpreter(emulated, t, monkeypatch):
     assert rel_by_rows(got, want, w2) <= TOL
 
 
+def test_two_pairs_a_row_in_the_interpreter(emulated, monkeypatch):
+    """Program rows of two pairs of one expert (MOE_MMA TWO_MIN_T; `moe_pair_rows_kernel`'s table): the second
+    pair's x in the B columns of the first's lo parts, a second mma from each decoded down tile."""
+    monkeypatch.setitem(tri.MOE_MMA, "TWO_MIN_T", 2)
+    w1, w3, w2, x, idx, wt, shared = moe_inputs(27, d=512, inter=512, e=3, t=2)
+    plan = tri.moe_prepare(x, idx, 3, mma=True)
+    assert (plan[-2][:, 1] >= 0).any()  # some row holds two pairs
+    got = tri.moe_down(tri.moe_gate_up(x, w1, w3, plan, 7.0, mma=True), w2, wt, plan,
+                       out=torch.empty(x.shape, dtype=torch.float32), add=shared)
+    assert emulated == ["moe_pair_rows_kernel", "moe_mma_gate_up_kernel", "moe_mma_down_kernel"]
+    want = ref.moe_experts(x.double(), w1, w3, w2, idx, wt.double(), 7.0, shared.double())
+    assert rel_by_rows(got, want, w2) <= TOL
+
+
 @pytest.mark.parametrize("ct,ks,d", [(4, 1, 512), (4, 2, 512), (4, 4, 1024), (8, 1, 512), (8, 2, 1024)])
 def test_channel_split_in_the_interpreter(emulated, ct, ks, d, monkeypatch):
     """MOE_MMA_ONE's kernel and sum launch: 64 channels a program (h in half of each hb row: the poisoned other

@@ -223,7 +223,7 @@ def _hb_index(ch):
 def _gate_up_parts(part_ptr, j, sk, I, c, g, t, gt, gb, ut, ub, ok, SPLIT: tl.constexpr):
     """Pair j's K-part partials of the gate and up rows of tile c (fp32, [pairs x SPLIT, 2, I])."""
     pp = part_ptr + (j * SPLIT + sk) * 2 * I + c * 16 + g
-    keep = (t == 0) & ok
+    keep = tl.where(ok, t == 0, False)  # not `& ok`: the interpreter's & of a block and a scalar is no bool mask
     tl.store(pp, _quad_sum(gt), mask=keep)
     tl.store(pp + 8, _quad_sum(gb), mask=keep)
     tl.store(pp + I, _quad_sum(ut), mask=keep)
@@ -339,8 +339,9 @@ def moe_mma_gate_up_kernel(x_ptr, w_ptr, s_ptr, e_ptr, rows_ptr, part_ptr, lock_
 def _down_parts(part_ptr, j, sk, D, r, g, t, top, bot, ok, SPLIT: tl.constexpr):
     """Pair j's K-part partials of row tile r (fp32, [pairs x SPLIT, D])."""
     pp = part_ptr + (j * SPLIT + sk) * D + r * 16 + g
-    tl.store(pp, _quad_sum(top), mask=(t == 0) & ok)
-    tl.store(pp + 8, _quad_sum(bot), mask=(t == 0) & ok)
+    keep = tl.where(ok, t == 0, False)  # as `_gate_up_parts`
+    tl.store(pp, _quad_sum(top), mask=keep)
+    tl.store(pp + 8, _quad_sum(bot), mask=keep)
 
 
 @triton.jit
