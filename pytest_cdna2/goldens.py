@@ -865,8 +865,10 @@ def build_goldens(
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"unknown floating dtype {dtype!r}")
+    verified: list[GoldenStore] = []  # opened (hashed, checked) once, in the temporary folder before the rename
     writer = GoldenWriter(out_dir, regen=regen,  # refuses an existing store before the slow part
-                          verify=lambda tmp: GoldenStore.open(tmp, expected_model_sha256=sha, config=cfg))
+                          verify=lambda tmp: verified.append(GoldenStore.open(tmp, expected_model_sha256=sha,
+                                                                              config=cfg)))
     if model is None:  # dtype a name, as pytest passes it
         model = load_engine(engine, model_dir, device=device, backend=backend, dtype=str(dtype).removeprefix("torch."),
                             also=("trace",))
@@ -966,5 +968,5 @@ def build_goldens(
             versions=_versions(model),
             prompts=entries,
         )
-    return GoldenStore.open(writer.out, expected_model_sha256=sha, config=cfg)  # `.` may be a new folder now
+    return GoldenStore(writer.out, verified[0].manifest)  # the same files, renamed (`.` may be a new folder now)
 
