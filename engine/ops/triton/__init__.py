@@ -755,7 +755,7 @@ def _mma_one(x: torch.Tensor, w1: QWeight, w3: QWeight, w2: QWeight, idx: torch.
     hb = _empty(n, 256, dtype=torch.bfloat16, device=x.device)
     part = _empty(n, d, dtype=torch.float32, device=x.device)
     pdl = _mma_pdl(x.device)
-    _Launch(x)("moe_mma_one_kernel", (chunks, k), x, wu, su, wd, sd, idx.reshape(-1), weights.reshape(-1).float(),
+    _Launch(x)("moe_mma_one_kernel", (chunks, k), x, wu, su, wd, sd, idx.reshape(-1), weights.contiguous().reshape(-1),
                hx, hb, part, inter, d, float(limit or 0.0), HAS_LIMIT=bool(limit and limit > 0), CT=ct, KS=ks,
                PDL=pdl, num_warps=ct * ks)
     if callable(shared):
